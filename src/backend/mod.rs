@@ -1,0 +1,105 @@
+//! Backends: one trait, a CPU implementation (host memory plays the device;
+//! the reference) and a CUDA implementation.
+
+use crate::config::{BackendChoice, Config};
+use crate::error::Result;
+use crate::layer::{KvswapLayerStats, LayerPlan, StagingView};
+
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+/// An engine stream (`CUstream` on CUDA; ignored on the CPU backend).
+pub type StreamHandle = u64;
+
+/// What backend a context ended up on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    Cpu,
+    Cuda,
+}
+
+impl BackendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+}
+
+/// The operations of one layer. Pointers are addresses in the backend's
+/// memory space: host addresses on the CPU backend, device addresses on CUDA.
+/// The context has validated layer index, null pointers and counts.
+pub trait LayerOps: Send {
+    /// Copies `ids.len()` chunks from `src + i * src_stride` into the host
+    /// tier, marks them stored, and refreshes any resident slot.
+    ///
+    /// # Safety
+    /// `src` must be readable for `(ids.len() - 1) * src_stride + chunk_bytes` bytes
+    /// in the backend's memory space; ids are already range-checked.
+    unsafe fn store(&mut self, ids: &[u32], src: u64, src_stride: usize, stream: StreamHandle) -> Result<()>;
+
+    /// One `swap_in_selected` call over `count` entries at `indices + window_len`.
+    ///
+    /// # Safety
+    /// `indices` must point to at least `window_len + count` int32 values in
+    /// the backend's memory space, not accessed by anyone else during the call.
+    unsafe fn swap_in(&mut self, indices: u64, window_len: u32, count: u32, stream: StreamHandle) -> Result<()>;
+
+    /// Counters (synchronises with the device). Returns a deferred error of an
+    /// earlier asynchronous call first, if any.
+    fn stats(&mut self) -> Result<KvswapLayerStats>;
+
+    /// Returns and clears a deferred error, after waiting for the device.
+    fn sync(&mut self) -> Result<()>;
+
+    /// Where the staging rows are.
+    fn staging(&self) -> StagingView;
+
+    /// `(slot, chunk)` of every resident chunk, for tests and tools
+    /// (synchronises with the device).
+    fn residency(&mut self) -> Result<Vec<(u32, u32)>>;
+}
+
+/// A backend instance, bound to one device (or to the host).
+pub trait Backend: Send + Sync {
+    fn kind(&self) -> BackendKind;
+    /// A line for the logs: device name, memory, capability.
+    fn describe(&self) -> String;
+    /// Allocates every layer's host tier (one pool) and staging.
+    fn create_layers(&self, plans: &[LayerPlan], cfg: &Config) -> Result<Vec<Box<dyn LayerOps>>>;
+    /// Bytes of host tier this backend would pin for `plans`.
+    fn host_bytes(&self, plans: &[LayerPlan]) -> u64 {
+        plans.iter().map(|p| p.host_bytes()).sum()
+    }
+}
+
+/// Picks the backend for `cfg`: `auto` prefers CUDA and falls back to the CPU
+/// with one log line saying why.
+pub fn select(cfg: &Config) -> Result<Box<dyn Backend>> {
+    match cfg.backend {
+        BackendChoice::Cpu => Ok(Box::new(cpu::CpuBackend)),
+        BackendChoice::Cuda => cuda_backend(cfg),
+        BackendChoice::Auto => match cuda_backend(cfg) {
+            Ok(b) => Ok(b),
+            Err(e) => {
+                log::info!("kvswap: backend=cpu reason=\"{}\"", e.message);
+                Ok(Box::new(cpu::CpuBackend))
+            }
+        },
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_backend(cfg: &Config) -> Result<Box<dyn Backend>> {
+    Ok(Box::new(cuda::CudaBackend::new(cfg)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend(_cfg: &Config) -> Result<Box<dyn Backend>> {
+    Err(crate::error::Error::new(
+        crate::error::KvswapStatus::NoDevice,
+        "this build of kvswap has no CUDA backend (built without the `cuda` feature)",
+    ))
+}

@@ -1,0 +1,468 @@
+//! Settings: the C-visible [`KvswapConfig`] struct, its validated Rust twin
+//! [`Config`], and loading from `KVSWAP_*` environment variables (with the
+//! original engine's `POCKETLLM_GGUF_*` names accepted as aliases).
+
+use crate::error::{Error, KvswapStatus, Result};
+use std::ffi::{c_char, CStr};
+use std::path::PathBuf;
+
+/// Longest checkpoint path (including the terminating NUL) a `KvswapConfig` holds.
+pub const KVSWAP_PATH_MAX: usize = 4096;
+
+/// Which backend a context uses (`KVSWAP_BACKEND`).
+pub type KvswapBackendKind = u32;
+/// CUDA when a driver and a device are present, else the CPU backend.
+pub const KVSWAP_BACKEND_AUTO: KvswapBackendKind = 0;
+/// Host memory plays the device: the reference backend, runs everywhere.
+pub const KVSWAP_BACKEND_CPU: KvswapBackendKind = 1;
+/// CUDA through the driver API, loaded at run time.
+pub const KVSWAP_BACKEND_CUDA: KvswapBackendKind = 2;
+
+/// How the FlashMemory scorers are combined (`KVSWAP_FM_ENSEMBLE`).
+pub type KvswapEnsemble = u32;
+/// Ensemble score is the maximum over scorers.
+pub const KVSWAP_ENSEMBLE_MAX: KvswapEnsemble = 0;
+/// Ensemble score is the mean over scorers.
+pub const KVSWAP_ENSEMBLE_MEAN: KvswapEnsemble = 1;
+
+/// Every setting of a kvswap context. Fill it with `kvswap_config_default()`
+/// or `kvswap_config_from_env()`, then change fields as needed. Flags are
+/// 0 or 1.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct KvswapConfig {
+    /// Swap on (1) or off (0, every chunk stays resident). `KVSWAP_ENABLE`, default 0.
+    pub enable: u32,
+    /// Staging slots per layer on the device. `KVSWAP_GPU_CHUNKS`, default 512.
+    pub gpu_chunks: u32,
+    /// Cap on the pinned host tier of all layers, in MiB. `KVSWAP_PINNED_MIB`, default 16384.
+    pub pinned_mib: u64,
+    /// 1: errors are returned by the call itself; 0: no host wait, errors are
+    /// returned by the next synchronising call. `KVSWAP_SYNC`, default 1.
+    pub sync: u32,
+    /// Check every staged chunk against its host copy. `KVSWAP_VALIDATE`, default 0.
+    pub validate: u32,
+    /// Allow `gpu_chunks < index_topk` (tests only). `KVSWAP_TEST_ALLOW_TOPK_REDUCTION`, default 0.
+    pub test_allow_topk_reduction: u32,
+    /// k of the global top-k. `KVSWAP_INDEX_TOPK`, default 512.
+    pub index_topk: u32,
+    /// Sliding-window tokens read besides the selected chunks. `KVSWAP_WINDOW`, default 128.
+    pub window: u32,
+    /// `KVSWAP_ENSEMBLE_MAX` or `KVSWAP_ENSEMBLE_MEAN`. `KVSWAP_FM_ENSEMBLE`, default max.
+    pub fm_ensemble: KvswapEnsemble,
+    /// Log memory per stage. `KVSWAP_MEM_PROFILE`, default 0.
+    pub mem_profile: u32,
+    /// `KVSWAP_BACKEND_AUTO`, `_CPU` or `_CUDA`. `KVSWAP_BACKEND`, default auto.
+    pub backend: KvswapBackendKind,
+    /// CUDA device ordinal the context binds to. `KVSWAP_DEVICE`, default 0.
+    pub device: i32,
+    /// Scorer checkpoint path, NUL-terminated, empty for none. `KVSWAP_FM_CKPT`.
+    pub fm_ckpt: [c_char; KVSWAP_PATH_MAX],
+}
+
+/// Backend choice, validated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendChoice {
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+/// Scorer ensemble, validated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ensemble {
+    Max,
+    Mean,
+}
+
+/// The validated settings the library works with.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    pub enable: bool,
+    pub gpu_chunks: u32,
+    pub pinned_mib: u64,
+    pub sync: bool,
+    pub validate: bool,
+    pub test_allow_topk_reduction: bool,
+    pub index_topk: u32,
+    pub window: u32,
+    pub fm_ensemble: Ensemble,
+    pub mem_profile: bool,
+    pub backend: BackendChoice,
+    pub device: i32,
+    pub fm_ckpt: Option<PathBuf>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            enable: false,
+            gpu_chunks: 512,
+            pinned_mib: 16384,
+            sync: true,
+            validate: false,
+            test_allow_topk_reduction: false,
+            index_topk: 512,
+            window: 128,
+            fm_ensemble: Ensemble::Max,
+            mem_profile: false,
+            backend: BackendChoice::Auto,
+            device: 0,
+            fm_ckpt: None,
+        }
+    }
+}
+
+/// One environment setting: the kvswap name, the original engine's alias.
+struct Var {
+    name: &'static str,
+    alias: Option<&'static str>,
+}
+
+const VARS: &[Var] = &[
+    Var { name: "KVSWAP_ENABLE", alias: Some("POCKETLLM_GGUF_KV_SWAP") },
+    Var { name: "KVSWAP_GPU_CHUNKS", alias: Some("POCKETLLM_GGUF_KV_SWAP_GPU_CHUNKS") },
+    Var { name: "KVSWAP_PINNED_MIB", alias: Some("POCKETLLM_GGUF_KV_SWAP_PINNED_MIB") },
+    Var { name: "KVSWAP_SYNC", alias: Some("POCKETLLM_GGUF_KV_SWAP_SYNC") },
+    Var { name: "KVSWAP_VALIDATE", alias: Some("POCKETLLM_GGUF_KV_SWAP_VALIDATE") },
+    Var {
+        name: "KVSWAP_TEST_ALLOW_TOPK_REDUCTION",
+        alias: Some("POCKETLLM_GGUF_KV_SWAP_TEST_ALLOW_TOPK_REDUCTION"),
+    },
+    Var { name: "KVSWAP_INDEX_TOPK", alias: None },
+    Var { name: "KVSWAP_WINDOW", alias: None },
+    Var { name: "KVSWAP_FM_CKPT", alias: Some("POCKETLLM_GGUF_FLASHMEMORY_CKPT") },
+    Var { name: "KVSWAP_FM_ENSEMBLE", alias: Some("POCKETLLM_GGUF_FLASHMEMORY_ENSEMBLE") },
+    Var { name: "KVSWAP_MEM_PROFILE", alias: Some("POCKETLLM_GGUF_MEM_PROFILE") },
+    Var { name: "KVSWAP_BACKEND", alias: None },
+    Var { name: "KVSWAP_DEVICE", alias: None },
+];
+
+/// Every environment variable kvswap reads, with its alias, for docs and `--help`.
+pub fn env_names() -> impl Iterator<Item = (&'static str, Option<&'static str>)> {
+    VARS.iter().map(|v| (v.name, v.alias))
+}
+
+fn bad(var: &str, value: &str, expected: &str) -> Error {
+    Error::invalid(format!("{var}={value:?} is not a valid value: expected {expected}"))
+}
+
+fn parse_bool(var: &str, v: &str) -> Result<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Ok(true),
+        "0" | "false" | "off" | "no" | "" => Ok(false),
+        _ => Err(bad(var, v, "0 or 1 (also true/false, on/off, yes/no)")),
+    }
+}
+
+fn parse_uint<T: std::str::FromStr>(var: &str, v: &str, what: &str) -> Result<T> {
+    let t = v.trim();
+    if t.starts_with('-') {
+        return Err(bad(var, v, &format!("{what}; negative values are refused")));
+    }
+    t.parse::<T>().map_err(|_| bad(var, v, what))
+}
+
+impl Config {
+    /// Defaults overridden by the process environment.
+    pub fn from_env() -> Result<Config> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Defaults overridden by `lookup(name)`; the kvswap name wins over its alias.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        let mut c = Config::default();
+        for var in VARS {
+            let (used, value) = match lookup(var.name) {
+                Some(v) => (var.name, v),
+                None => match var.alias.and_then(|a| lookup(a).map(|v| (a, v))) {
+                    Some(p) => p,
+                    None => continue,
+                },
+            };
+            c.apply(var.name, used, &value)?;
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    fn apply(&mut self, canonical: &str, used: &str, v: &str) -> Result<()> {
+        match canonical {
+            "KVSWAP_ENABLE" => self.enable = parse_bool(used, v)?,
+            "KVSWAP_GPU_CHUNKS" => self.gpu_chunks = parse_uint(used, v, "a slot count >= 1")?,
+            "KVSWAP_PINNED_MIB" => self.pinned_mib = parse_uint(used, v, "a size in MiB")?,
+            "KVSWAP_SYNC" => self.sync = parse_bool(used, v)?,
+            "KVSWAP_VALIDATE" => self.validate = parse_bool(used, v)?,
+            "KVSWAP_TEST_ALLOW_TOPK_REDUCTION" => {
+                self.test_allow_topk_reduction = parse_bool(used, v)?
+            }
+            "KVSWAP_INDEX_TOPK" => self.index_topk = parse_uint(used, v, "a chunk count >= 1")?,
+            "KVSWAP_WINDOW" => self.window = parse_uint(used, v, "a token count")?,
+            "KVSWAP_FM_CKPT" => {
+                self.fm_ckpt = if v.is_empty() { None } else { Some(PathBuf::from(v)) }
+            }
+            "KVSWAP_FM_ENSEMBLE" => {
+                self.fm_ensemble = match v.trim().to_ascii_lowercase().as_str() {
+                    "max" => Ensemble::Max,
+                    "mean" => Ensemble::Mean,
+                    _ => return Err(bad(used, v, "max or mean")),
+                }
+            }
+            "KVSWAP_MEM_PROFILE" => self.mem_profile = parse_bool(used, v)?,
+            "KVSWAP_BACKEND" => {
+                self.backend = match v.trim().to_ascii_lowercase().as_str() {
+                    "auto" | "" => BackendChoice::Auto,
+                    "cpu" => BackendChoice::Cpu,
+                    "cuda" => BackendChoice::Cuda,
+                    _ => return Err(bad(used, v, "auto, cpu or cuda")),
+                }
+            }
+            "KVSWAP_DEVICE" => self.device = parse_uint::<u16>(used, v, "a device ordinal")? as i32,
+            _ => unreachable!("unknown setting {canonical}"),
+        }
+        Ok(())
+    }
+
+    /// Checks values that are wrong on their own (not the guards that need
+    /// the layer specs, which `Context::new` applies).
+    pub fn validate(&self) -> Result<()> {
+        if self.gpu_chunks == 0 {
+            return Err(Error::invalid("gpu_chunks must be >= 1 (KVSWAP_GPU_CHUNKS)"));
+        }
+        if self.gpu_chunks > i32::MAX as u32 / 2 {
+            return Err(Error::invalid(format!(
+                "gpu_chunks={} is too large (KVSWAP_GPU_CHUNKS)",
+                self.gpu_chunks
+            )));
+        }
+        if self.index_topk == 0 {
+            return Err(Error::invalid("index_topk must be >= 1 (KVSWAP_INDEX_TOPK)"));
+        }
+        if self.window > i32::MAX as u32 / 2 {
+            return Err(Error::invalid(format!("window={} is too large (KVSWAP_WINDOW)", self.window)));
+        }
+        if self.device < 0 {
+            return Err(Error::invalid(format!("device={} must be >= 0 (KVSWAP_DEVICE)", self.device)));
+        }
+        Ok(())
+    }
+
+    /// The guard of DESIGN: fewer slots than the top-k would drop selected chunks.
+    pub fn check_topk_guard(&self) -> Result<()> {
+        if self.enable && self.gpu_chunks < self.index_topk && !self.test_allow_topk_reduction {
+            return Err(Error::new(
+                KvswapStatus::TopkGuard,
+                format!(
+                    "gpu_chunks={} < index_topk={}: every selected chunk needs a slot; raise \
+                     KVSWAP_GPU_CHUNKS or set KVSWAP_TEST_ALLOW_TOPK_REDUCTION=1 (tests only)",
+                    self.gpu_chunks, self.index_topk
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The C-visible form.
+    pub fn to_c(&self) -> KvswapConfig {
+        let mut fm_ckpt = [0 as c_char; KVSWAP_PATH_MAX];
+        if let Some(p) = &self.fm_ckpt {
+            let bytes = p.as_os_str().as_encoded_bytes();
+            // Paths are checked to fit when they enter a Config; truncate defensively.
+            for (d, s) in fm_ckpt.iter_mut().zip(bytes.iter().take(KVSWAP_PATH_MAX - 1)) {
+                *d = *s as c_char;
+            }
+        }
+        KvswapConfig {
+            enable: self.enable as u32,
+            gpu_chunks: self.gpu_chunks,
+            pinned_mib: self.pinned_mib,
+            sync: self.sync as u32,
+            validate: self.validate as u32,
+            test_allow_topk_reduction: self.test_allow_topk_reduction as u32,
+            index_topk: self.index_topk,
+            window: self.window,
+            fm_ensemble: match self.fm_ensemble {
+                Ensemble::Max => KVSWAP_ENSEMBLE_MAX,
+                Ensemble::Mean => KVSWAP_ENSEMBLE_MEAN,
+            },
+            mem_profile: self.mem_profile as u32,
+            backend: match self.backend {
+                BackendChoice::Auto => KVSWAP_BACKEND_AUTO,
+                BackendChoice::Cpu => KVSWAP_BACKEND_CPU,
+                BackendChoice::Cuda => KVSWAP_BACKEND_CUDA,
+            },
+            device: self.device,
+            fm_ckpt,
+        }
+    }
+
+    /// Reads and validates the C-visible form.
+    pub fn from_c(c: &KvswapConfig) -> Result<Config> {
+        fn flag(name: &str, v: u32) -> Result<bool> {
+            match v {
+                0 => Ok(false),
+                1 => Ok(true),
+                _ => Err(Error::invalid(format!("config.{name}={v}: a flag must be 0 or 1"))),
+            }
+        }
+        let fm_ckpt = {
+            let bytes: Vec<u8> = c.fm_ckpt.iter().map(|&b| b as u8).collect();
+            let s = CStr::from_bytes_until_nul(&bytes).map_err(|_| {
+                Error::invalid("config.fm_ckpt is not NUL-terminated within KVSWAP_PATH_MAX bytes")
+            })?;
+            let s = s.to_str().map_err(|_| Error::invalid("config.fm_ckpt is not valid UTF-8"))?;
+            if s.is_empty() { None } else { Some(PathBuf::from(s)) }
+        };
+        let cfg = Config {
+            enable: flag("enable", c.enable)?,
+            gpu_chunks: c.gpu_chunks,
+            pinned_mib: c.pinned_mib,
+            sync: flag("sync", c.sync)?,
+            validate: flag("validate", c.validate)?,
+            test_allow_topk_reduction: flag("test_allow_topk_reduction", c.test_allow_topk_reduction)?,
+            index_topk: c.index_topk,
+            window: c.window,
+            fm_ensemble: match c.fm_ensemble {
+                KVSWAP_ENSEMBLE_MAX => Ensemble::Max,
+                KVSWAP_ENSEMBLE_MEAN => Ensemble::Mean,
+                v => return Err(Error::invalid(format!("config.fm_ensemble={v}: expected KVSWAP_ENSEMBLE_MAX or _MEAN"))),
+            },
+            mem_profile: flag("mem_profile", c.mem_profile)?,
+            backend: match c.backend {
+                KVSWAP_BACKEND_AUTO => BackendChoice::Auto,
+                KVSWAP_BACKEND_CPU => BackendChoice::Cpu,
+                KVSWAP_BACKEND_CUDA => BackendChoice::Cuda,
+                v => return Err(Error::invalid(format!("config.backend={v}: expected KVSWAP_BACKEND_AUTO, _CPU or _CUDA"))),
+            },
+            device: c.device,
+            fm_ckpt,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> =
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn defaults_match_design_table() {
+        let c = Config::from_lookup(env(&[])).unwrap();
+        assert_eq!(c, Config::default());
+        assert!(!c.enable);
+        assert_eq!((c.gpu_chunks, c.pinned_mib, c.index_topk, c.window), (512, 16384, 512, 128));
+        assert!(c.sync && !c.validate && !c.test_allow_topk_reduction && !c.mem_profile);
+        assert_eq!(c.fm_ensemble, Ensemble::Max);
+        assert_eq!(c.fm_ckpt, None);
+    }
+
+    #[test]
+    fn every_variable_is_read() {
+        let c = Config::from_lookup(env(&[
+            ("KVSWAP_ENABLE", "1"),
+            ("KVSWAP_GPU_CHUNKS", "1024"),
+            ("KVSWAP_PINNED_MIB", "4096"),
+            ("KVSWAP_SYNC", "0"),
+            ("KVSWAP_VALIDATE", "true"),
+            ("KVSWAP_TEST_ALLOW_TOPK_REDUCTION", "on"),
+            ("KVSWAP_INDEX_TOPK", "256"),
+            ("KVSWAP_WINDOW", "64"),
+            ("KVSWAP_FM_CKPT", "/tmp/fm.safetensors"),
+            ("KVSWAP_FM_ENSEMBLE", "MEAN"),
+            ("KVSWAP_MEM_PROFILE", "yes"),
+            ("KVSWAP_BACKEND", "cpu"),
+            ("KVSWAP_DEVICE", "3"),
+        ]))
+        .unwrap();
+        assert!(c.enable && !c.sync && c.validate && c.test_allow_topk_reduction && c.mem_profile);
+        assert_eq!((c.gpu_chunks, c.pinned_mib, c.index_topk, c.window), (1024, 4096, 256, 64));
+        assert_eq!(c.fm_ckpt.as_deref(), Some(std::path::Path::new("/tmp/fm.safetensors")));
+        assert_eq!(c.fm_ensemble, Ensemble::Mean);
+        assert_eq!(c.backend, BackendChoice::Cpu);
+        assert_eq!(c.device, 3);
+    }
+
+    #[test]
+    fn aliases_work_and_kvswap_name_wins() {
+        let c = Config::from_lookup(env(&[
+            ("POCKETLLM_GGUF_KV_SWAP", "1"),
+            ("POCKETLLM_GGUF_KV_SWAP_GPU_CHUNKS", "2048"),
+            ("KVSWAP_GPU_CHUNKS", "768"),
+            ("POCKETLLM_GGUF_KV_SWAP_PINNED_MIB", "256"),
+            ("POCKETLLM_GGUF_KV_SWAP_SYNC", "0"),
+            ("POCKETLLM_GGUF_KV_SWAP_VALIDATE", "1"),
+            ("POCKETLLM_GGUF_KV_SWAP_TEST_ALLOW_TOPK_REDUCTION", "1"),
+            ("POCKETLLM_GGUF_FLASHMEMORY_CKPT", "a.st"),
+            ("POCKETLLM_GGUF_FLASHMEMORY_ENSEMBLE", "mean"),
+            ("POCKETLLM_GGUF_MEM_PROFILE", "1"),
+        ]))
+        .unwrap();
+        assert!(c.enable && !c.sync && c.validate && c.test_allow_topk_reduction && c.mem_profile);
+        assert_eq!(c.gpu_chunks, 768, "KVSWAP_ name wins over the alias");
+        assert_eq!(c.pinned_mib, 256);
+        assert_eq!(c.fm_ensemble, Ensemble::Mean);
+        assert_eq!(c.fm_ckpt.as_deref(), Some(std::path::Path::new("a.st")));
+    }
+
+    #[test]
+    fn bad_values_name_the_variable_and_value() {
+        let cases: &[(&str, &str)] = &[
+            ("KVSWAP_GPU_CHUNKS", "abc"),
+            ("KVSWAP_GPU_CHUNKS", "-4"),
+            ("KVSWAP_PINNED_MIB", "-1"),
+            ("KVSWAP_PINNED_MIB", "1.5"),
+            ("KVSWAP_FM_ENSEMBLE", "foo"),
+            ("POCKETLLM_GGUF_FLASHMEMORY_ENSEMBLE", "foo"),
+            ("KVSWAP_ENABLE", "maybe"),
+            ("POCKETLLM_GGUF_KV_SWAP_SYNC", "2"),
+            ("KVSWAP_BACKEND", "tpu"),
+            ("KVSWAP_DEVICE", "-1"),
+            ("KVSWAP_INDEX_TOPK", "99999999999"),
+        ];
+        for (k, v) in cases {
+            let e = Config::from_lookup(env(&[(k, v)])).unwrap_err();
+            assert_eq!(e.status, KvswapStatus::InvalidArgument);
+            assert!(e.message.contains(k), "{e} names {k}");
+            assert!(e.message.contains(&format!("{v:?}")), "{e} names {v}");
+        }
+        let e = Config::from_lookup(env(&[("KVSWAP_GPU_CHUNKS", "0")])).unwrap_err();
+        assert!(e.message.contains("KVSWAP_GPU_CHUNKS"), "{e}");
+    }
+
+    #[test]
+    fn c_round_trip_and_bad_c_values() {
+        let mut c = Config::default();
+        c.fm_ckpt = Some("/x/y.safetensors".into());
+        c.backend = BackendChoice::Cuda;
+        c.fm_ensemble = Ensemble::Mean;
+        let cc = c.to_c();
+        assert_eq!(Config::from_c(&cc).unwrap(), c);
+        let mut bad = cc;
+        bad.sync = 7;
+        assert!(Config::from_c(&bad).unwrap_err().message.contains("sync"));
+        let mut bad = cc;
+        bad.backend = 9;
+        assert!(Config::from_c(&bad).unwrap_err().message.contains("backend"));
+        let mut bad = cc;
+        bad.fm_ckpt = [b'a' as c_char; KVSWAP_PATH_MAX];
+        assert!(Config::from_c(&bad).unwrap_err().message.contains("NUL"));
+    }
+
+    #[test]
+    fn topk_guard() {
+        let mut c = Config { enable: true, gpu_chunks: 256, ..Config::default() };
+        let e = c.check_topk_guard().unwrap_err();
+        assert_eq!(e.status, KvswapStatus::TopkGuard);
+        assert!(e.message.contains("gpu_chunks=256 < index_topk=512"));
+        c.test_allow_topk_reduction = true;
+        c.check_topk_guard().unwrap();
+    }
+}

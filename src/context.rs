@@ -1,0 +1,281 @@
+//! A kvswap context: settings, a backend, and the swap state of every layer.
+//!
+//! Layers are independent: each sits behind its own mutex, so engine threads
+//! working on different layers never wait for each other, and threads sharing
+//! a layer are serialised.
+
+use crate::backend::{self, Backend, BackendKind, LayerOps, StreamHandle};
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::layer::{check_pinned_cap, KvswapLayerSpec, KvswapLayerStats, LayerPlan, StagingView};
+use std::sync::{Mutex, MutexGuard};
+
+pub struct Context {
+    config: Config,
+    backend: Box<dyn Backend>,
+    plans: Vec<LayerPlan>,
+    layers: Vec<Mutex<Box<dyn LayerOps>>>,
+}
+
+impl Context {
+    /// Validates `config` and `specs`, applies the guards of DESIGN.md, picks
+    /// the backend and allocates every layer.
+    pub fn new(config: Config, specs: &[KvswapLayerSpec]) -> Result<Context> {
+        crate::logging::init();
+        config.validate()?;
+        config.check_topk_guard()?;
+        if specs.is_empty() {
+            return Err(Error::invalid("n_layers is 0: a context needs at least one layer"));
+        }
+        let plans = specs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| LayerPlan::resolve(i, s, &config))
+            .collect::<Result<Vec<_>>>()?;
+        let required: u64 = plans.iter().map(|p| p.host_bytes()).sum();
+        check_pinned_cap(required, config.pinned_mib)?;
+        let backend = backend::select(&config)?;
+        let layers = backend.create_layers(&plans, &config)?;
+        let ctx = Context {
+            layers: layers.into_iter().map(Mutex::new).collect(),
+            config,
+            backend,
+            plans,
+        };
+        ctx.log_created(required);
+        Ok(ctx)
+    }
+
+    fn log_created(&self, host_bytes: u64) {
+        let c = &self.config;
+        let swap_layers = self.plans.iter().filter(|p| p.swap).count();
+        let max_cap = self.plans.iter().map(|p| p.compressed_cap).max().unwrap_or(0);
+        if !c.enable {
+            log::info!("kvswap: swap off reason=disabled_by_config (KVSWAP_ENABLE=0) layers={} all_chunks_resident=1", self.plans.len());
+        } else if swap_layers == 0 {
+            log::info!(
+                "kvswap: swap off reason=no_layer_with_compressed_cap_gt_gpu_chunks gpu_chunks={} max_compressed_cap={} layers={}",
+                c.gpu_chunks, max_cap, self.plans.len()
+            );
+        } else {
+            log::info!(
+                "kvswap: swap on backend={} layers={} swap_layers={} gpu_chunks={} index_topk={} window={} sync={} pinned_mib={:.1} cap_mib={}",
+                self.backend.kind().name(), self.plans.len(), swap_layers, c.gpu_chunks, c.index_topk, c.window,
+                c.sync as u8, host_bytes as f64 / (1 << 20) as f64, c.pinned_mib
+            );
+            for p in self.plans.iter().filter(|p| !p.swap) {
+                log::info!(
+                    "kvswap: layer={} swap off reason=compressed_cap_le_gpu_chunks compressed_cap={} gpu_chunks={}",
+                    p.index, p.compressed_cap, c.gpu_chunks
+                );
+            }
+        }
+        if c.mem_profile {
+            let staging: u64 = self
+                .plans
+                .iter()
+                .filter(|p| p.staging.is_none())
+                .map(|p| p.slots as u64 * p.chunk_bytes as u64)
+                .sum();
+            log::info!(
+                "kvswap_mem stage=create backend={} host_tier_mib={:.2} staging_mib={:.2} layers={} device=\"{}\"",
+                self.backend.kind().name(),
+                host_bytes as f64 / (1 << 20) as f64,
+                staging as f64 / (1 << 20) as f64,
+                self.plans.len(),
+                self.backend.describe()
+            );
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+    pub fn backend_kind(&self) -> BackendKind {
+        self.backend.kind()
+    }
+    pub fn backend_description(&self) -> String {
+        self.backend.describe()
+    }
+    pub fn n_layers(&self) -> usize {
+        self.plans.len()
+    }
+    pub fn plan(&self, layer: usize) -> Result<&LayerPlan> {
+        self.plans.get(layer).ok_or_else(|| self.bad_layer(layer))
+    }
+    /// Bytes of host tier (pinned on CUDA) held by this context.
+    pub fn host_bytes(&self) -> u64 {
+        self.backend.host_bytes(&self.plans)
+    }
+
+    fn bad_layer(&self, layer: usize) -> Error {
+        Error::out_of_range(format!("layer {layer} is out of range: the context has {} layers", self.plans.len()))
+    }
+
+    fn layer(&self, layer: usize) -> Result<MutexGuard<'_, Box<dyn LayerOps>>> {
+        let m = self.layers.get(layer).ok_or_else(|| self.bad_layer(layer))?;
+        // A panic inside a layer operation poisons its mutex; the state is
+        // still consistent (every mutation validates first), so go on.
+        Ok(m.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn check_id(&self, layer: usize, id: i64) -> Result<u32> {
+        let cap = self.plan(layer)?.compressed_cap;
+        if id < 0 || id >= cap as i64 {
+            return Err(Error::out_of_range(format!(
+                "layer {layer}: logical id {id} is outside 0..{cap} (compressed_cap)"
+            )));
+        }
+        Ok(id as u32)
+    }
+
+    /// Stores `ids.len()` chunks read from `src + i * src_stride`
+    /// (`src_stride == 0` means `chunk_bytes`). All ids are checked first:
+    /// on error nothing is stored.
+    ///
+    /// # Safety
+    /// `src` must address readable memory of the backend's space (host on CPU,
+    /// device on CUDA) covering every row.
+    pub unsafe fn store_raw(&self, layer: usize, ids: &[i32], src: u64, src_stride: usize, stream: StreamHandle) -> Result<()> {
+        let plan = self.plan(layer)?;
+        if ids.is_empty() {
+            return Err(Error::invalid("store of 0 chunks"));
+        }
+        if src == 0 {
+            return Err(Error::null("src"));
+        }
+        let stride = if src_stride == 0 { plan.chunk_bytes } else { src_stride };
+        if stride < plan.chunk_bytes && ids.len() > 1 {
+            return Err(Error::invalid(format!(
+                "src_stride={src_stride} is smaller than chunk_bytes={}",
+                plan.chunk_bytes
+            )));
+        }
+        let checked = ids.iter().map(|&id| self.check_id(layer, id as i64)).collect::<Result<Vec<u32>>>()?;
+        // SAFETY: forwarded caller contract.
+        unsafe { self.layer(layer)?.store(&checked, src, stride, stream) }
+    }
+
+    /// One `swap_in_selected` call (see DESIGN.md, residency rules).
+    ///
+    /// # Safety
+    /// `indices` must address `window_len + count` int32 values of the
+    /// backend's memory space that nothing else touches during the call.
+    pub unsafe fn swap_in_raw(&self, layer: usize, indices: u64, window_len: u32, count: u32, stream: StreamHandle) -> Result<()> {
+        let plan = self.plan(layer)?;
+        if indices == 0 {
+            return Err(Error::null("indices"));
+        }
+        let max = plan.slots.max(self.config.gpu_chunks);
+        if count > max {
+            return Err(Error::out_of_range(format!(
+                "layer {layer}: count={count} selected chunks exceeds gpu_chunks={max}"
+            )));
+        }
+        if window_len as u64 + plan.slots as u64 > i32::MAX as u64 {
+            return Err(Error::out_of_range(format!(
+                "window_len={window_len} + slots does not fit in an int32 physical id"
+            )));
+        }
+        // SAFETY: forwarded caller contract.
+        unsafe { self.layer(layer)?.swap_in(indices, window_len, count, stream) }
+    }
+
+    /// Counters of `layer`; reports a deferred error first.
+    pub fn stats(&self, layer: usize) -> Result<KvswapLayerStats> {
+        self.layer(layer)?.stats()
+    }
+
+    /// Waits for outstanding device work of every layer and returns the first
+    /// deferred error (clearing all of them).
+    pub fn sync(&self) -> Result<()> {
+        let mut first = Ok(());
+        for l in 0..self.layers.len() {
+            if let Err(e) = self.layer(l)?.sync() {
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        first
+    }
+
+    pub fn staging(&self, layer: usize) -> Result<StagingView> {
+        Ok(self.layer(layer)?.staging())
+    }
+
+    /// `(slot, chunk)` of every resident chunk of `layer`.
+    pub fn residency(&self, layer: usize) -> Result<Vec<(u32, u32)>> {
+        self.layer(layer)?.residency()
+    }
+
+    // ---- safe helpers for host memory (CPU backend) ----
+
+    fn require_host(&self) -> Result<()> {
+        if self.backend.kind() != BackendKind::Cpu {
+            return Err(Error::new(
+                crate::error::KvswapStatus::Unsupported,
+                "slice helpers take host memory: use the *_raw functions with device pointers on CUDA",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Stores one chunk from a host slice (CPU backend).
+    pub fn store(&self, layer: usize, id: i32, src: &[u8]) -> Result<()> {
+        self.require_host()?;
+        let n = self.plan(layer)?.chunk_bytes;
+        if src.len() != n {
+            return Err(Error::invalid(format!("src has {} bytes, chunk_bytes is {n}", src.len())));
+        }
+        // SAFETY: `src` is a live host slice of chunk_bytes.
+        unsafe { self.store_raw(layer, &[id], src.as_ptr() as u64, n, 0) }
+    }
+
+    /// Swap-in over a host index buffer (CPU backend): `indices[window_len..]`.
+    pub fn swap_in(&self, layer: usize, indices: &mut [i32], window_len: u32) -> Result<()> {
+        self.require_host()?;
+        let count = indices
+            .len()
+            .checked_sub(window_len as usize)
+            .ok_or_else(|| Error::invalid("window_len is larger than the index buffer"))?;
+        let count = u32::try_from(count).map_err(|_| Error::out_of_range("too many indices"))?;
+        // SAFETY: a live, exclusively borrowed host slice of window_len + count ints.
+        unsafe { self.swap_in_raw(layer, indices.as_mut_ptr() as u64, window_len, count, 0) }
+    }
+
+    /// The bytes of staging slot `slot` (CPU backend).
+    pub fn slot_bytes(&self, layer: usize, slot: u32) -> Result<Vec<u8>> {
+        self.require_host()?;
+        let plan = *self.plan(layer)?;
+        let v = self.staging(layer)?;
+        if slot >= v.rows {
+            return Err(Error::out_of_range(format!("slot {slot} >= {}", v.rows)));
+        }
+        // SAFETY: the staging buffer has `rows` rows of `stride >= chunk_bytes`
+        // bytes; the layer lock is not held, but reading a row while another
+        // thread swaps into the same layer is the caller's race to avoid.
+        let row = unsafe { std::slice::from_raw_parts((v.ptr + slot as u64 * v.stride) as *const u8, plan.chunk_bytes) };
+        Ok(row.to_vec())
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        for (l, m) in self.layers.iter().enumerate() {
+            let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
+            if let Ok(s) = g.stats() {
+                log::info!("{}", stats_line(l, &s));
+            }
+        }
+    }
+}
+
+/// The stats log line, in the original engine's shape.
+pub fn stats_line(layer: usize, s: &KvswapLayerStats) -> String {
+    format!(
+        "kvswap_stats layer={layer} gpu_chunks={} compressed_cap={} hits={} misses={} evictions={} stores={} swap_in_calls={} h2d_mib={:.3} d2h_mib={:.3}",
+        s.slots, s.compressed_cap, s.hits, s.misses, s.evictions, s.stores, s.swap_in_calls,
+        s.h2d_bytes as f64 / (1 << 20) as f64, s.d2h_bytes as f64 / (1 << 20) as f64
+    )
+}

@@ -1,0 +1,399 @@
+//! The C ABI. Every function returns a [`KvswapStatus`] (or is infallible),
+//! checks every pointer, writes out-parameters only on success, never lets a
+//! panic cross the boundary, and records the text of a failure for
+//! `kvswap_last_error()` on the calling thread.
+
+use crate::backend::BackendKind;
+use crate::config::{Config, KvswapConfig, KVSWAP_BACKEND_CPU, KVSWAP_BACKEND_CUDA};
+use crate::context::Context;
+use crate::error::{Error, KvswapStatus, Result};
+use crate::layer::{KvswapLayerSpec, KvswapLayerStats};
+use crate::logging::KvswapLogCallback;
+use std::cell::RefCell;
+use std::ffi::{c_char, c_void, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// An engine stream: a `CUstream` on the CUDA backend (NULL is refused there:
+/// kvswap never uses the legacy default stream); ignored on the CPU backend.
+pub type KvswapStream = *mut c_void;
+
+/// Opaque handle to a kvswap context. Create with `kvswap_create`, free with
+/// `kvswap_destroy`. Different layers may be used from different threads at
+/// the same time; calls on one layer are serialised.
+pub struct KvswapContext {
+    pub(crate) inner: Context,
+}
+
+/// What a context is running on, from `kvswap_context_info`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KvswapContextInfo {
+    /// `KVSWAP_BACKEND_CPU` or `KVSWAP_BACKEND_CUDA` (never auto).
+    pub backend: u32,
+    /// CUDA device ordinal, or -1 on the CPU backend.
+    pub device: i32,
+    /// Layers in the context.
+    pub n_layers: u32,
+    /// Layers with swap on (`compressed_cap > gpu_chunks`).
+    pub swap_layers: u32,
+    /// Bytes of host tier (pinned on CUDA) of all layers.
+    pub host_tier_bytes: u64,
+    /// Bytes of library-owned staging of all layers (device memory on CUDA).
+    pub staging_bytes: u64,
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_last_error(text: &str) {
+    let c = CString::new(text.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic payload".to_string()
+    }
+}
+
+/// Runs `f` behind the panic boundary, turning its result into a status.
+pub(crate) fn boundary(name: &str, f: impl FnOnce() -> Result<()>) -> KvswapStatus {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => KvswapStatus::Ok,
+        Ok(Err(e)) => {
+            set_last_error(&format!("{name}: {}", e.message));
+            e.status
+        }
+        Err(p) => {
+            set_last_error(&format!("{name}: internal panic: {}", panic_text(&*p)));
+            KvswapStatus::Panic
+        }
+    }
+}
+
+/// Writes `v` through a checked out-pointer.
+pub(crate) fn write_out<T>(out: *mut T, v: T) {
+    // SAFETY: every caller checked `out` for NULL first; the engine promises
+    // it points to writable storage for a T.
+    unsafe { out.write(v) }
+}
+
+pub(crate) fn ctx_ref<'a>(ctx: *const KvswapContext) -> Result<&'a Context> {
+    if ctx.is_null() {
+        return Err(Error::null("ctx"));
+    }
+    // SAFETY: non-null handles come from kvswap_create and are valid until
+    // kvswap_destroy, per the API contract.
+    Ok(unsafe { &(*ctx).inner })
+}
+
+pub(crate) fn check_null<T>(p: *const T, name: &str) -> Result<()> {
+    if p.is_null() { Err(Error::null(name)) } else { Ok(()) }
+}
+
+/// Fills `*out` with the defaults of DESIGN.md's settings table.
+#[no_mangle]
+pub extern "C" fn kvswap_config_default(out: *mut KvswapConfig) -> KvswapStatus {
+    boundary("kvswap_config_default", || {
+        check_null(out, "out")?;
+        write_out(out, Config::default().to_c());
+        Ok(())
+    })
+}
+
+/// Fills `*out` with the defaults overridden by the `KVSWAP_*` environment
+/// variables (and their `POCKETLLM_GGUF_*` aliases; the `KVSWAP_` name wins).
+/// A bad value returns `KVSWAP_STATUS_INVALID_ARGUMENT` naming the variable.
+#[no_mangle]
+pub extern "C" fn kvswap_config_from_env(out: *mut KvswapConfig) -> KvswapStatus {
+    boundary("kvswap_config_from_env", || {
+        check_null(out, "out")?;
+        let c = Config::from_env()?;
+        write_out(out, c.to_c());
+        Ok(())
+    })
+}
+
+/// Creates a context for `n_layers` layers described by `layers`, and
+/// writes its handle to `*out`. Applies the guards: `gpu_chunks < index_topk`
+/// (`KVSWAP_STATUS_TOPK_GUARD`), pinned host tier over `pinned_mib`
+/// (`KVSWAP_STATUS_PINNED_CAP`), zero sizes, and no CUDA device for an
+/// explicit CUDA backend (`KVSWAP_STATUS_NO_DEVICE`).
+#[no_mangle]
+pub extern "C" fn kvswap_create(
+    config: *const KvswapConfig,
+    layers: *const KvswapLayerSpec,
+    n_layers: usize,
+    out: *mut *mut KvswapContext,
+) -> KvswapStatus {
+    boundary("kvswap_create", || {
+        check_null(config, "config")?;
+        check_null(layers, "layers")?;
+        check_null(out, "out")?;
+        if n_layers == 0 {
+            return Err(Error::invalid("n_layers is 0"));
+        }
+        // SAFETY: non-null, and the engine promises a valid config and
+        // `n_layers` specs.
+        let (cfg, specs) = unsafe { (&*config, std::slice::from_raw_parts(layers, n_layers)) };
+        let cfg = Config::from_c(cfg)?;
+        let ctx = Context::new(cfg, specs)?;
+        write_out(out, Box::into_raw(Box::new(KvswapContext { inner: ctx })));
+        Ok(())
+    })
+}
+
+/// Frees a context and everything it allocated. NULL is a no-op. The engine
+/// must make sure no other thread uses `ctx` during or after this call, and
+/// that no device work using it is still pending.
+#[no_mangle]
+pub extern "C" fn kvswap_destroy(ctx: *mut KvswapContext) {
+    boundary("kvswap_destroy", || {
+        if !ctx.is_null() {
+            // SAFETY: created by Box::into_raw in kvswap_create.
+            drop(unsafe { Box::from_raw(ctx) });
+        }
+        Ok(())
+    });
+}
+
+/// Stores the chunk `logical_id` of `layer` from `src` (`chunk_bytes` bytes:
+/// device memory on CUDA, host memory on the CPU backend) into the host tier
+/// and marks it ready. A resident slot holding it is refreshed too.
+#[no_mangle]
+pub extern "C" fn kvswap_store(
+    ctx: *mut KvswapContext,
+    layer: u32,
+    logical_id: i32,
+    src: *const c_void,
+    stream: KvswapStream,
+) -> KvswapStatus {
+    boundary("kvswap_store", || {
+        let c = ctx_ref(ctx)?;
+        check_null(src, "src")?;
+        // SAFETY: the engine promises `src` holds chunk_bytes readable bytes.
+        unsafe { c.store_raw(layer as usize, &[logical_id], src as u64, 0, stream as u64) }
+    })
+}
+
+/// Stores `n` chunks: chunk `ids[i]` from `src + i * src_stride` bytes
+/// (`src_stride` 0 means `chunk_bytes`). `ids` is host memory. Every id is
+/// checked before anything is stored.
+#[no_mangle]
+pub extern "C" fn kvswap_store_batch(
+    ctx: *mut KvswapContext,
+    layer: u32,
+    ids: *const i32,
+    n: usize,
+    src: *const c_void,
+    src_stride: usize,
+    stream: KvswapStream,
+) -> KvswapStatus {
+    boundary("kvswap_store_batch", || {
+        let c = ctx_ref(ctx)?;
+        check_null(ids, "ids")?;
+        check_null(src, "src")?;
+        if n == 0 {
+            return Err(Error::invalid("n is 0"));
+        }
+        // SAFETY: the engine promises `n` ids and readable source rows.
+        let ids = unsafe { std::slice::from_raw_parts(ids, n) };
+        unsafe { c.store_raw(layer as usize, ids, src as u64, src_stride, stream as u64) }
+    })
+}
+
+/// Makes the selected chunks of `layer` resident. `indices[window_len ..
+/// window_len + count)` hold logical ids (device memory on CUDA); on return
+/// they hold physical ids `window_len + slot`. -1 entries are padding and stay
+/// -1; a duplicate id maps to the same slot; `count <= gpu_chunks`.
+/// A chunk never stored gives `KVSWAP_STATUS_NOT_STORED` and changes nothing
+/// (with `sync = 0` the entry becomes -1 and the error is returned by the next
+/// `kvswap_sync` or `kvswap_layer_stats`).
+#[no_mangle]
+pub extern "C" fn kvswap_swap_in_selected(
+    ctx: *mut KvswapContext,
+    layer: u32,
+    indices: *mut i32,
+    window_len: u32,
+    count: u32,
+    stream: KvswapStream,
+) -> KvswapStatus {
+    boundary("kvswap_swap_in_selected", || {
+        let c = ctx_ref(ctx)?;
+        check_null(indices, "indices")?;
+        // SAFETY: the engine promises window_len + count ints, not used
+        // concurrently.
+        unsafe { c.swap_in_raw(layer as usize, indices as u64, window_len, count, stream as u64) }
+    })
+}
+
+/// Writes the counters of `layer` to `*out`. Synchronises with the device and
+/// returns a deferred error of an earlier asynchronous call first, if any.
+#[no_mangle]
+pub extern "C" fn kvswap_layer_stats(ctx: *mut KvswapContext, layer: u32, out: *mut KvswapLayerStats) -> KvswapStatus {
+    boundary("kvswap_layer_stats", || {
+        let c = ctx_ref(ctx)?;
+        check_null(out, "out")?;
+        let s = c.stats(layer as usize)?;
+        write_out(out, s);
+        Ok(())
+    })
+}
+
+/// Writes where the staging rows of `layer` are: `*out_ptr` is slot 0 (the
+/// attention kernel's row `window_len`), `*out_stride` the bytes between
+/// rows, `*out_rows` the number of slots (`gpu_chunks`, or `compressed_cap`
+/// when swap is off for the layer). Device memory on CUDA.
+#[no_mangle]
+pub extern "C" fn kvswap_layer_staging(
+    ctx: *mut KvswapContext,
+    layer: u32,
+    out_ptr: *mut *mut c_void,
+    out_stride: *mut usize,
+    out_rows: *mut u32,
+) -> KvswapStatus {
+    boundary("kvswap_layer_staging", || {
+        let c = ctx_ref(ctx)?;
+        check_null(out_ptr, "out_ptr")?;
+        check_null(out_stride, "out_stride")?;
+        check_null(out_rows, "out_rows")?;
+        let v = c.staging(layer as usize)?;
+        write_out(out_ptr, v.ptr as *mut c_void);
+        write_out(out_stride, v.stride as usize);
+        write_out(out_rows, v.rows);
+        Ok(())
+    })
+}
+
+/// Waits for the context's outstanding device work and returns the first
+/// error an asynchronous call recorded since the last synchronising call
+/// (clearing it). `stream` is the engine stream the work was issued on
+/// (ignored on the CPU backend).
+#[no_mangle]
+pub extern "C" fn kvswap_sync(ctx: *mut KvswapContext, stream: KvswapStream) -> KvswapStatus {
+    boundary("kvswap_sync", || {
+        let _ = stream;
+        ctx_ref(ctx)?.sync()
+    })
+}
+
+/// Writes what the context runs on to `*out`.
+#[no_mangle]
+pub extern "C" fn kvswap_context_info(ctx: *mut KvswapContext, out: *mut KvswapContextInfo) -> KvswapStatus {
+    boundary("kvswap_context_info", || {
+        let c = ctx_ref(ctx)?;
+        check_null(out, "out")?;
+        let mut staging = 0u64;
+        let mut swap_layers = 0u32;
+        for l in 0..c.n_layers() {
+            let p = c.plan(l)?;
+            if p.staging.is_none() {
+                staging += p.slots as u64 * p.chunk_bytes as u64;
+            }
+            swap_layers += p.swap as u32;
+        }
+        write_out(
+            out,
+            KvswapContextInfo {
+                backend: match c.backend_kind() {
+                    BackendKind::Cpu => KVSWAP_BACKEND_CPU,
+                    BackendKind::Cuda => KVSWAP_BACKEND_CUDA,
+                },
+                device: if c.backend_kind() == BackendKind::Cpu { -1 } else { c.config().device },
+                n_layers: c.n_layers() as u32,
+                swap_layers,
+                host_tier_bytes: c.host_bytes(),
+                staging_bytes: staging,
+            },
+        );
+        Ok(())
+    })
+}
+
+/// The text of the last failure on this thread ("" if none). Valid until the
+/// next kvswap call on this thread fails; never NULL.
+#[no_mangle]
+pub extern "C" fn kvswap_last_error() -> *const c_char {
+    match catch_unwind(|| LAST_ERROR.with(|e| e.borrow().as_ptr())) {
+        Ok(p) => p,
+        Err(_) => c"kvswap_last_error: internal panic".as_ptr(),
+    }
+}
+
+/// The library version, e.g. "0.1.0". Static storage, never NULL.
+#[no_mangle]
+pub extern "C" fn kvswap_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr() as *const c_char
+}
+
+/// The name of a status constant, e.g. "KVSWAP_STATUS_NOT_STORED"
+/// ("KVSWAP_STATUS_UNKNOWN" for other values). Static storage.
+#[no_mangle]
+pub extern "C" fn kvswap_status_name(status: i32) -> *const c_char {
+    use KvswapStatus::*;
+    let all = [
+        Ok, InvalidArgument, NullPointer, OutOfRange, NotStored, PinnedCap, TopkGuard, NoDevice,
+        DeviceError, OutOfMemory, ValidationFailed, WrongDevice, Io, BadCheckpoint, Unsupported, Panic,
+    ];
+    static NAMES: std::sync::OnceLock<Vec<(i32, CString)>> = std::sync::OnceLock::new();
+    let names = NAMES.get_or_init(|| all.iter().map(|s| (*s as i32, CString::new(s.name()).unwrap())).collect());
+    names
+        .iter()
+        .find(|(v, _)| *v == status)
+        .map(|(_, n)| n.as_ptr())
+        .unwrap_or(c"KVSWAP_STATUS_UNKNOWN".as_ptr())
+}
+
+/// Routes kvswap's log lines to `callback` (NULL: back to stderr). Lines keep
+/// the shapes documented in README.md (`kvswap_stats layer=...`).
+#[no_mangle]
+pub extern "C" fn kvswap_set_log_callback(callback: KvswapLogCallback, user_data: *mut c_void) -> KvswapStatus {
+    boundary("kvswap_set_log_callback", || {
+        crate::logging::set_callback(callback, user_data);
+        Ok(())
+    })
+}
+
+/// Sets the log level: 0 off, 1 error, 2 warn, 3 info (default), 4 debug, 5 trace.
+#[no_mangle]
+pub extern "C" fn kvswap_set_log_level(level: u32) -> KvswapStatus {
+    boundary("kvswap_set_log_level", || {
+        if crate::logging::set_level(level) {
+            Ok(())
+        } else {
+            Err(Error::invalid(format!("log level {level} is not 0..5")))
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::CStr;
+
+    fn last() -> String {
+        unsafe { CStr::from_ptr(kvswap_last_error()) }.to_string_lossy().into_owned()
+    }
+
+    #[test]
+    fn panic_becomes_status_and_text() {
+        let s = boundary("t", || panic!("boom {}", 7));
+        assert_eq!(s, KvswapStatus::Panic);
+        assert!(last().contains("boom 7"), "{}", last());
+        let s = boundary("t", || -> Result<()> { std::panic::panic_any(42u8) });
+        assert_eq!(s, KvswapStatus::Panic);
+    }
+
+    #[test]
+    fn status_names() {
+        let n = unsafe { CStr::from_ptr(kvswap_status_name(4)) };
+        assert_eq!(n.to_str().unwrap(), "KVSWAP_STATUS_NOT_STORED");
+        let n = unsafe { CStr::from_ptr(kvswap_status_name(12345)) };
+        assert_eq!(n.to_str().unwrap(), "KVSWAP_STATUS_UNKNOWN");
+    }
+}

@@ -1,0 +1,156 @@
+//! Per-layer description (what the engine passes), the resolved plan of a
+//! layer (what the context decided) and its statistics.
+
+use crate::config::Config;
+use crate::error::{Error, KvswapStatus, Result};
+use std::ffi::c_void;
+
+/// One layer as the engine describes it to `kvswap_create`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct KvswapLayerSpec {
+    /// Chunks this layer can hold: logical ids are `0 .. compressed_cap`.
+    pub compressed_cap: u64,
+    /// Bytes of one chunk (for example kv_dim 512 x f32 = 2048).
+    pub chunk_bytes: u64,
+    /// Optional engine-owned staging buffer: the row of slot 0 (the attention
+    /// kernel's row `window_len`). Device memory on CUDA, host memory on the
+    /// CPU backend. NULL: the library allocates it.
+    pub staging: *mut c_void,
+    /// Bytes between consecutive slot rows of `staging`; 0 means `chunk_bytes`.
+    pub staging_stride: u64,
+}
+
+/// Counters of one layer since the context was created.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvswapLayerStats {
+    /// Selected chunks that were already in a slot (distinct per call).
+    pub hits: u64,
+    /// Selected chunks that had to be copied in (distinct per call).
+    pub misses: u64,
+    /// Misses whose victim slot held another chunk.
+    pub evictions: u64,
+    /// Chunks stored (copied to the host tier).
+    pub stores: u64,
+    /// Stores that also refreshed a resident slot.
+    pub refreshes: u64,
+    /// Bytes copied host tier -> staging slots.
+    pub h2d_bytes: u64,
+    /// Bytes copied engine -> host tier.
+    pub d2h_bytes: u64,
+    /// `kvswap_swap_in_selected` calls.
+    pub swap_in_calls: u64,
+    /// The layer's `compressed_cap`.
+    pub compressed_cap: u64,
+    /// The layer's `chunk_bytes`.
+    pub chunk_bytes: u64,
+    /// Staging slots of this layer (`compressed_cap` when swap is off for it).
+    pub slots: u32,
+    /// Chunks currently resident in a slot.
+    pub resident: u32,
+    /// 1 when swap is on for this layer, 0 when every chunk stays resident.
+    pub swap_enabled: u32,
+    /// Always 0.
+    pub reserved: u32,
+}
+
+/// Where a layer's staging rows are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagingView {
+    /// Address of slot 0 (device address on CUDA, host address on CPU).
+    pub ptr: u64,
+    /// Bytes between slot rows.
+    pub stride: u64,
+    /// Number of slot rows.
+    pub rows: u32,
+}
+
+/// A layer as the context resolved it.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerPlan {
+    pub index: usize,
+    pub compressed_cap: u32,
+    pub chunk_bytes: usize,
+    /// Swap on for this layer (`enable && compressed_cap > gpu_chunks`).
+    pub swap: bool,
+    /// Staging rows: `gpu_chunks`, or `compressed_cap` when swap is off.
+    pub slots: u32,
+    /// Engine-provided staging (address, stride), if any.
+    pub staging: Option<(u64, u64)>,
+}
+
+impl LayerPlan {
+    pub fn host_bytes(&self) -> u64 {
+        self.compressed_cap as u64 * self.chunk_bytes as u64
+    }
+    pub fn staging_stride(&self) -> u64 {
+        self.staging.map(|(_, s)| s).unwrap_or(self.chunk_bytes as u64)
+    }
+
+    /// Validates an engine spec and decides swap and slots.
+    pub fn resolve(index: usize, spec: &KvswapLayerSpec, cfg: &Config) -> Result<LayerPlan> {
+        if spec.compressed_cap == 0 {
+            return Err(Error::invalid(format!("layer {index}: compressed_cap is 0")));
+        }
+        if spec.compressed_cap >= i32::MAX as u64 / 2 {
+            return Err(Error::out_of_range(format!(
+                "layer {index}: compressed_cap={} is too large (ids are int32)",
+                spec.compressed_cap
+            )));
+        }
+        if spec.chunk_bytes == 0 {
+            return Err(Error::invalid(format!("layer {index}: chunk_bytes is 0")));
+        }
+        if spec.chunk_bytes > (1 << 30) {
+            return Err(Error::out_of_range(format!(
+                "layer {index}: chunk_bytes={} is above 1 GiB",
+                spec.chunk_bytes
+            )));
+        }
+        let cap = spec.compressed_cap as u32;
+        let swap = cfg.enable && cap > cfg.gpu_chunks;
+        let slots = if swap { cfg.gpu_chunks } else { cap };
+        let staging = if spec.staging.is_null() {
+            if spec.staging_stride != 0 {
+                return Err(Error::invalid(format!(
+                    "layer {index}: staging_stride={} given without a staging pointer",
+                    spec.staging_stride
+                )));
+            }
+            None
+        } else {
+            let stride = if spec.staging_stride == 0 { spec.chunk_bytes } else { spec.staging_stride };
+            if stride < spec.chunk_bytes {
+                return Err(Error::invalid(format!(
+                    "layer {index}: staging_stride={stride} is smaller than chunk_bytes={}",
+                    spec.chunk_bytes
+                )));
+            }
+            Some((spec.staging as u64, stride))
+        };
+        if (cfg.window as u64) + (slots as u64) > i32::MAX as u64 {
+            return Err(Error::out_of_range(format!(
+                "layer {index}: window + slots does not fit in an int32 physical id"
+            )));
+        }
+        Ok(LayerPlan { index, compressed_cap: cap, chunk_bytes: spec.chunk_bytes as usize, swap, slots, staging })
+    }
+}
+
+/// Checks `required` bytes of pinned host tier against the cap in MiB.
+pub fn check_pinned_cap(required: u64, cap_mib: u64) -> Result<()> {
+    let cap = cap_mib.saturating_mul(1 << 20);
+    if required > cap {
+        return Err(Error::new(
+            KvswapStatus::PinnedCap,
+            format!(
+                "pinned host tier needs required_mib={} but cap_mib={} (KVSWAP_PINNED_MIB); \
+                 raise KVSWAP_PINNED_MIB or shorten the context",
+                required.div_ceil(1 << 20),
+                cap_mib
+            ),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,349 @@
+//! The residency rules of DESIGN.md, on the host: which chunk sits in which
+//! staging slot, the LRU order of the slots, and the hit / miss / victim
+//! decision of one `swap_in_selected` call.
+//!
+//! The CPU backend uses this directly; the CUDA backend runs the same rules in
+//! a kernel and is tested against it.
+//!
+//! # Rules
+//! - Entries equal to -1 are padding and stay -1.
+//! - Every other entry must be a stored logical id in `0..compressed_cap`;
+//!   otherwise the call fails and nothing changes (strict mode), or the entry
+//!   becomes -1 and the first error is reported later (deferred mode).
+//! - Victims are slots not selected in the current call, least recently used
+//!   first, ties to the lower slot index. Misses take victims in the order the
+//!   misses first appear. A duplicate id maps to the same slot.
+//! - Every slot selected by a call is "used" at that call: slots used by the
+//!   same call tie, and ties go to the lower slot index.
+//!
+//! # Cost
+//! Everything is O(1) per selected entry plus `gpu_chunks / 64` word scans,
+//! with no allocation after construction: the LRU order is an intrusive
+//! doubly-linked list threaded through two `u32` arrays indexed by slot, and
+//! the chunk <-> slot maps are flat arrays.
+
+/// "No slot" in the chunk -> slot map, "no chunk" in the slot -> chunk map.
+pub const NONE: u32 = u32::MAX;
+
+/// Why a selected entry was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EntryError {
+    /// The id is negative (other than -1) or `>= compressed_cap`.
+    OutOfRange { pos: usize, id: i32 },
+    /// The id was never stored.
+    NotStored { pos: usize, id: i32 },
+}
+
+/// Counts of one call (distinct chunks: a duplicate entry counts once).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SwapOutcome {
+    pub hits: u32,
+    pub misses: u32,
+    /// Misses whose victim slot held another chunk.
+    pub evictions: u32,
+    /// In deferred mode, the first refused entry (now -1).
+    pub deferred: Option<EntryError>,
+}
+
+/// Residency state of one layer.
+pub struct Residency {
+    cap: u32,
+    slots: u32,
+    /// Swap off: every chunk lives in the slot of its own id.
+    identity: bool,
+    stored: Vec<u64>,
+    chunk_slot: Vec<u32>,
+    slot_chunk: Vec<u32>,
+    /// LRU list over slots, `head` = least recently used.
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    head: u32,
+    tail: u32,
+    /// Per slot: number of the last call that selected it.
+    used_at: Vec<u64>,
+    call: u64,
+    selected: Vec<u64>,
+    misses: Vec<(u32, u32)>,
+}
+
+impl Residency {
+    /// A layer of `cap` chunks with `slots` staging slots. When `cap <= slots`
+    /// or `swap` is false the layer is fully resident (slot == logical id).
+    pub fn new(cap: u32, slots: u32, swap: bool) -> Residency {
+        assert!(cap > 0 && cap < i32::MAX as u32, "cap out of range");
+        let identity = !swap || cap <= slots;
+        let slots = if identity { cap } else { slots };
+        assert!(slots > 0);
+        let mut r = Residency {
+            cap,
+            slots,
+            identity,
+            stored: vec![0; (cap as usize).div_ceil(64)],
+            chunk_slot: if identity { Vec::new() } else { vec![NONE; cap as usize] },
+            slot_chunk: if identity { Vec::new() } else { vec![NONE; slots as usize] },
+            prev: if identity { Vec::new() } else { vec![NONE; slots as usize] },
+            next: if identity { Vec::new() } else { vec![NONE; slots as usize] },
+            head: NONE,
+            tail: NONE,
+            used_at: vec![0; slots as usize],
+            call: 0,
+            selected: vec![0; (slots as usize).div_ceil(64)],
+            misses: Vec::with_capacity(if identity { 0 } else { slots as usize }),
+        };
+        if !identity {
+            for s in 0..slots {
+                r.push_back(s);
+            }
+        }
+        r
+    }
+
+    pub fn compressed_cap(&self) -> u32 {
+        self.cap
+    }
+    /// Staging slots in use for this layer (`compressed_cap` when fully resident).
+    pub fn slots(&self) -> u32 {
+        self.slots
+    }
+    /// True when swap is off for this layer (every chunk resident at its own id).
+    pub fn fully_resident(&self) -> bool {
+        self.identity
+    }
+
+    pub fn is_stored(&self, id: u32) -> bool {
+        self.stored[(id / 64) as usize] >> (id % 64) & 1 == 1
+    }
+
+    /// Marks `id` stored. Returns the slot that holds it, if any (its bytes
+    /// must be refreshed).
+    pub fn mark_stored(&mut self, id: u32) -> Option<u32> {
+        debug_assert!(id < self.cap);
+        self.stored[(id / 64) as usize] |= 1 << (id % 64);
+        self.slot_of(id)
+    }
+
+    /// The slot holding chunk `id`, if resident.
+    pub fn slot_of(&self, id: u32) -> Option<u32> {
+        if self.identity {
+            return self.is_stored(id).then_some(id);
+        }
+        let s = self.chunk_slot[id as usize];
+        (s != NONE).then_some(s)
+    }
+
+    /// The chunk held by `slot`, if any.
+    pub fn chunk_in(&self, slot: u32) -> Option<u32> {
+        if self.identity {
+            return self.is_stored(slot).then_some(slot);
+        }
+        let c = self.slot_chunk[slot as usize];
+        (c != NONE).then_some(c)
+    }
+
+    /// Number of chunks currently in slots.
+    pub fn resident(&self) -> u32 {
+        if self.identity {
+            self.stored.iter().map(|w| w.count_ones()).sum()
+        } else {
+            self.slot_chunk.iter().filter(|&&c| c != NONE).count() as u32
+        }
+    }
+
+    /// Slots from least to most recently used (empty when fully resident).
+    pub fn lru_order(&self) -> Vec<u32> {
+        let mut v = Vec::with_capacity(self.slots as usize);
+        let mut s = self.head;
+        while s != NONE {
+            v.push(s);
+            s = self.next[s as usize];
+        }
+        v
+    }
+
+    /// `(slot, chunk)` pairs the last call assigned: the bytes to copy in, in
+    /// miss order.
+    pub fn last_misses(&self) -> &[(u32, u32)] {
+        &self.misses
+    }
+
+    fn check(&self, pos: usize, id: i32) -> Result<(), EntryError> {
+        if id < 0 || id as u32 >= self.cap {
+            Err(EntryError::OutOfRange { pos, id })
+        } else if !self.is_stored(id as u32) {
+            Err(EntryError::NotStored { pos, id })
+        } else {
+            Ok(())
+        }
+    }
+
+    /// One `swap_in_selected` call over `entries` (the `count` entries after
+    /// the window). Rewrites each non-padding entry to `window_len + slot`.
+    ///
+    /// The caller guarantees `entries.len() <= slots()` and that
+    /// `window_len + slots()` fits in an `i32`.
+    pub fn swap_in(
+        &mut self,
+        entries: &mut [i32],
+        window_len: i32,
+        strict: bool,
+    ) -> Result<SwapOutcome, EntryError> {
+        debug_assert!(self.identity || entries.len() <= self.slots as usize);
+        let mut out = SwapOutcome::default();
+        // Validate everything before changing anything.
+        for (pos, e) in entries.iter_mut().enumerate() {
+            if *e == -1 {
+                continue;
+            }
+            if let Err(err) = self.check(pos, *e) {
+                if strict {
+                    return Err(err);
+                }
+                out.deferred.get_or_insert(err);
+                *e = -1;
+            }
+        }
+        self.call += 1;
+        let t = self.call;
+        self.misses.clear();
+        if self.identity {
+            for e in entries.iter_mut().filter(|e| **e != -1) {
+                let s = *e as usize;
+                if self.used_at[s] != t {
+                    self.used_at[s] = t;
+                    out.hits += 1;
+                }
+                *e += window_len;
+            }
+            return Ok(out);
+        }
+        // Pass A: hits leave the LRU list, so that only unselected slots
+        // remain in it and its head is always the next victim.
+        for &e in entries.iter() {
+            if e == -1 {
+                continue;
+            }
+            let s = self.chunk_slot[e as usize];
+            if s != NONE && self.used_at[s as usize] != t {
+                self.used_at[s as usize] = t;
+                self.unlink(s);
+                self.selected[(s / 64) as usize] |= 1 << (s % 64);
+                out.hits += 1;
+            }
+        }
+        // Pass B: misses in order of first appearance take victims from the
+        // head; every entry is rewritten to its physical id.
+        for e in entries.iter_mut() {
+            if *e == -1 {
+                continue;
+            }
+            let id = *e as u32;
+            let mut s = self.chunk_slot[id as usize];
+            if s == NONE {
+                s = self.head;
+                debug_assert!(s != NONE, "more distinct ids than slots");
+                self.unlink(s);
+                let old = self.slot_chunk[s as usize];
+                if old != NONE {
+                    self.chunk_slot[old as usize] = NONE;
+                    out.evictions += 1;
+                }
+                self.slot_chunk[s as usize] = id;
+                self.chunk_slot[id as usize] = s;
+                self.used_at[s as usize] = t;
+                self.selected[(s / 64) as usize] |= 1 << (s % 64);
+                self.misses.push((s, id));
+                out.misses += 1;
+            }
+            *e = window_len + s as i32;
+        }
+        // Pass C: the selected slots become most recent, ascending slot index.
+        for w in 0..self.selected.len() {
+            let mut bits = std::mem::take(&mut self.selected[w]);
+            while bits != 0 {
+                let s = (w as u32) * 64 + bits.trailing_zeros();
+                self.push_back(s);
+                bits &= bits - 1;
+            }
+        }
+        Ok(out)
+    }
+
+    fn unlink(&mut self, s: u32) {
+        let (p, n) = (self.prev[s as usize], self.next[s as usize]);
+        if p == NONE { self.head = n } else { self.next[p as usize] = n }
+        if n == NONE { self.tail = p } else { self.prev[n as usize] = p }
+        self.prev[s as usize] = NONE;
+        self.next[s as usize] = NONE;
+    }
+
+    fn push_back(&mut self, s: u32) {
+        self.prev[s as usize] = self.tail;
+        self.next[s as usize] = NONE;
+        if self.tail == NONE { self.head = s } else { self.next[self.tail as usize] = s }
+        self.tail = s;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored_all(cap: u32, slots: u32) -> Residency {
+        let mut r = Residency::new(cap, slots, true);
+        for i in 0..cap {
+            r.mark_stored(i);
+        }
+        r
+    }
+
+    #[test]
+    fn fills_slots_in_order_then_evicts_lru() {
+        let mut r = stored_all(16, 4);
+        let mut e = vec![5, 3, -1, 9];
+        let o = r.swap_in(&mut e, 10, true).unwrap();
+        assert_eq!(e, vec![10, 11, -1, 12]);
+        assert_eq!((o.hits, o.misses, o.evictions), (0, 3, 0));
+        assert_eq!(r.lru_order(), vec![3, 0, 1, 2]);
+        // 3 hits slot 1; 7 and 8 take slot 3 (never used) then slot 0.
+        let mut e = vec![7, 3, 8, 3];
+        let o = r.swap_in(&mut e, 0, true).unwrap();
+        assert_eq!(e, vec![3, 1, 0, 1]);
+        assert_eq!((o.hits, o.misses, o.evictions), (1, 2, 1));
+        assert_eq!(r.slot_of(5), None);
+        assert_eq!(r.lru_order(), vec![2, 0, 1, 3]);
+    }
+
+    #[test]
+    fn refused_calls_change_nothing() {
+        let mut r = Residency::new(8, 4, true);
+        r.mark_stored(1);
+        let mut e = vec![1, 2];
+        assert_eq!(r.swap_in(&mut e, 0, true), Err(EntryError::NotStored { pos: 1, id: 2 }));
+        assert_eq!(e, vec![1, 2]);
+        assert_eq!(r.slot_of(1), None);
+        let mut e = vec![1, 8];
+        assert_eq!(r.swap_in(&mut e, 0, true), Err(EntryError::OutOfRange { pos: 1, id: 8 }));
+        let mut e = vec![-2];
+        assert_eq!(r.swap_in(&mut e, 0, true), Err(EntryError::OutOfRange { pos: 0, id: -2 }));
+        assert_eq!(r.lru_order(), vec![0, 1, 2, 3]);
+        // Deferred mode: the bad entry becomes padding, the rest proceeds.
+        let mut e = vec![2, 1];
+        let o = r.swap_in(&mut e, 0, false).unwrap();
+        assert_eq!(e, vec![-1, 0]);
+        assert_eq!(o.deferred, Some(EntryError::NotStored { pos: 0, id: 2 }));
+    }
+
+    #[test]
+    fn identity_when_cap_fits() {
+        let mut r = Residency::new(4, 8, true);
+        assert!(r.fully_resident());
+        r.mark_stored(2);
+        r.mark_stored(3);
+        let mut e = vec![3, 2, 3, -1];
+        let o = r.swap_in(&mut e, 5, true).unwrap();
+        assert_eq!(e, vec![8, 7, 8, -1]);
+        assert_eq!((o.hits, o.misses), (2, 0));
+        assert_eq!(r.slot_of(3), Some(3));
+        assert_eq!(r.resident(), 2);
+    }
+}
