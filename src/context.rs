@@ -172,9 +172,9 @@ impl Context {
                 "layer {layer}: count={count} selected chunks exceeds gpu_chunks={max}"
             )));
         }
-        if window_len as u64 + plan.slots as u64 > i32::MAX as u64 {
+        if window_len as u64 + plan.slots as u64 >= 1 << 30 {
             return Err(Error::out_of_range(format!(
-                "window_len={window_len} + slots does not fit in an int32 physical id"
+                "window_len={window_len} + slots must stay below 2^30"
             )));
         }
         // SAFETY: forwarded caller contract.

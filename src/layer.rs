@@ -129,7 +129,7 @@ impl LayerPlan {
             }
             Some((spec.staging as u64, stride))
         };
-        if (cfg.window as u64) + (slots as u64) > i32::MAX as u64 {
+        if (cfg.window as u64) + (slots as u64) >= 1 << 30 {
             return Err(Error::out_of_range(format!(
                 "layer {index}: window + slots does not fit in an int32 physical id"
             )));

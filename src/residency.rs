@@ -54,23 +54,23 @@ pub struct Residency {
     stored: Vec<u64>,
     chunk_slot: Vec<u32>,
     slot_chunk: Vec<u32>,
-    /// LRU list over slots, `head` = least recently used.
-    prev: Vec<u32>,
-    next: Vec<u32>,
+    /// LRU list over slots as `[prev, next]` per slot, `head` = least recently used.
+    links: Vec<[u32; 2]>,
     head: u32,
     tail: u32,
-    /// Per slot: number of the last call that selected it.
-    used_at: Vec<u64>,
-    call: u64,
+    /// Slots selected by the current call (cleared at its end).
     selected: Vec<u64>,
     misses: Vec<(u32, u32)>,
+    /// Scratch: positions of hit and miss entries of the current call.
+    hit_pos: Vec<(u32, u32)>,
+    miss_pos: Vec<u32>,
 }
 
 impl Residency {
     /// A layer of `cap` chunks with `slots` staging slots. When `cap <= slots`
     /// or `swap` is false the layer is fully resident (slot == logical id).
     pub fn new(cap: u32, slots: u32, swap: bool) -> Residency {
-        assert!(cap > 0 && cap < i32::MAX as u32, "cap out of range");
+        assert!(cap > 0 && cap < 1 << 30, "cap out of range");
         let identity = !swap || cap <= slots;
         let slots = if identity { cap } else { slots };
         assert!(slots > 0);
@@ -81,14 +81,13 @@ impl Residency {
             stored: vec![0; (cap as usize).div_ceil(64)],
             chunk_slot: if identity { Vec::new() } else { vec![NONE; cap as usize] },
             slot_chunk: if identity { Vec::new() } else { vec![NONE; slots as usize] },
-            prev: if identity { Vec::new() } else { vec![NONE; slots as usize] },
-            next: if identity { Vec::new() } else { vec![NONE; slots as usize] },
+            links: if identity { Vec::new() } else { vec![[NONE; 2]; slots as usize] },
             head: NONE,
             tail: NONE,
-            used_at: vec![0; slots as usize],
-            call: 0,
             selected: vec![0; (slots as usize).div_ceil(64)],
             misses: Vec::with_capacity(if identity { 0 } else { slots as usize }),
+            hit_pos: vec![(0, 0); if identity { 0 } else { slots as usize }],
+            miss_pos: vec![0; if identity { 0 } else { slots as usize }],
         };
         if !identity {
             for s in 0..slots {
@@ -155,7 +154,7 @@ impl Residency {
         let mut s = self.head;
         while s != NONE {
             v.push(s);
-            s = self.next[s as usize];
+            s = self.links[s as usize][1];
         }
         v
     }
@@ -180,7 +179,7 @@ impl Residency {
     /// the window). Rewrites each non-padding entry to `window_len + slot`.
     ///
     /// The caller guarantees `entries.len() <= slots()` and that
-    /// `window_len + slots()` fits in an `i32`.
+    /// `window_len + slots() < 2^30`.
     pub fn swap_in(
         &mut self,
         entries: &mut [i32],
@@ -202,46 +201,54 @@ impl Residency {
                 *e = -1;
             }
         }
-        self.call += 1;
-        let t = self.call;
         self.misses.clear();
         if self.identity {
             for e in entries.iter_mut().filter(|e| **e != -1) {
-                let s = *e as usize;
-                if self.used_at[s] != t {
-                    self.used_at[s] = t;
+                let s = *e as u32;
+                if !self.take_selected(s) {
                     out.hits += 1;
                 }
                 *e += window_len;
             }
+            self.selected.fill(0);
             return Ok(out);
         }
-        // Pass A: hits leave the LRU list, so that only unselected slots
-        // remain in it and its head is always the next victim.
-        for &e in entries.iter() {
+        // Split entries into hit and miss positions without branching on the
+        // (unpredictable) hit/miss outcome: both lists are written, one grows.
+        let (mut nh, mut nm) = (0usize, 0usize);
+        for (i, &e) in entries.iter().enumerate() {
             if e == -1 {
                 continue;
             }
             let s = self.chunk_slot[e as usize];
-            if s != NONE && self.used_at[s as usize] != t {
-                self.used_at[s as usize] = t;
-                self.unlink(s);
-                self.selected[(s / 64) as usize] |= 1 << (s % 64);
+            self.hit_pos[nh] = (i as u32, s);
+            self.miss_pos[nm] = i as u32;
+            let miss = (s == NONE) as usize;
+            nh += 1 - miss;
+            nm += miss;
+        }
+        // Pass A: hits leave the LRU list, so that only unselected slots
+        // remain in it and its head is always the next victim.
+        for &(i, s) in &self.hit_pos[..nh] {
+            let e = &mut entries[i as usize];
+            let (w, b) = ((s / 64) as usize, 1u64 << (s % 64));
+            if self.selected[w] & b == 0 {
+                self.selected[w] |= b;
+                unlink(&mut self.links, &mut self.head, &mut self.tail, s);
                 out.hits += 1;
             }
+            *e = window_len + s as i32;
         }
-        // Pass B: misses in order of first appearance take victims from the
-        // head; every entry is rewritten to its physical id.
-        for e in entries.iter_mut() {
-            if *e == -1 {
-                continue;
-            }
+        // Pass B: misses, in order of first appearance, take victims from the
+        // head. A repeated miss finds the slot its first occurrence took.
+        for &i in &self.miss_pos[..nm] {
+            let e = &mut entries[i as usize];
             let id = *e as u32;
             let mut s = self.chunk_slot[id as usize];
             if s == NONE {
                 s = self.head;
                 debug_assert!(s != NONE, "more distinct ids than slots");
-                self.unlink(s);
+                unlink(&mut self.links, &mut self.head, &mut self.tail, s);
                 let old = self.slot_chunk[s as usize];
                 if old != NONE {
                     self.chunk_slot[old as usize] = NONE;
@@ -249,8 +256,7 @@ impl Residency {
                 }
                 self.slot_chunk[s as usize] = id;
                 self.chunk_slot[id as usize] = s;
-                self.used_at[s as usize] = t;
-                self.selected[(s / 64) as usize] |= 1 << (s % 64);
+                self.selected[(s / 64) as usize] |= 1u64 << (s % 64);
                 self.misses.push((s, id));
                 out.misses += 1;
             }
@@ -268,20 +274,30 @@ impl Residency {
         Ok(out)
     }
 
-    fn unlink(&mut self, s: u32) {
-        let (p, n) = (self.prev[s as usize], self.next[s as usize]);
-        if p == NONE { self.head = n } else { self.next[p as usize] = n }
-        if n == NONE { self.tail = p } else { self.prev[n as usize] = p }
-        self.prev[s as usize] = NONE;
-        self.next[s as usize] = NONE;
+    /// Marks slot `s` selected by the current call; returns whether it already was.
+    #[inline]
+    fn take_selected(&mut self, s: u32) -> bool {
+        let (w, b) = ((s / 64) as usize, 1u64 << (s % 64));
+        let was = self.selected[w] & b != 0;
+        self.selected[w] |= b;
+        was
     }
 
     fn push_back(&mut self, s: u32) {
-        self.prev[s as usize] = self.tail;
-        self.next[s as usize] = NONE;
-        if self.tail == NONE { self.head = s } else { self.next[self.tail as usize] = s }
+        self.links[s as usize] = [self.tail, NONE];
+        if self.tail == NONE { self.head = s } else { self.links[self.tail as usize][1] = s }
         self.tail = s;
     }
+}
+
+/// Removes slot `s` from the LRU list (a free function so the borrow of the
+/// list does not conflict with the scratch lists being iterated).
+#[inline]
+fn unlink(links: &mut [[u32; 2]], head: &mut u32, tail: &mut u32, s: u32) {
+    let [p, n] = links[s as usize];
+    if p == NONE { *head = n } else { links[p as usize][1] = n }
+    if n == NONE { *tail = p } else { links[n as usize][0] = p }
+    links[s as usize] = [NONE; 2];
 }
 
 #[cfg(test)]
