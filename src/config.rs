@@ -163,6 +163,13 @@ fn parse_uint<T: std::str::FromStr>(var: &str, v: &str, what: &str) -> Result<T>
     t.parse::<T>().map_err(|_| bad(var, v, what))
 }
 
+fn parse_nonzero(var: &str, v: &str, what: &str) -> Result<u32> {
+    match parse_uint::<u32>(var, v, what)? {
+        0 => Err(bad(var, v, what)),
+        n => Ok(n),
+    }
+}
+
 impl Config {
     /// Defaults overridden by the process environment.
     pub fn from_env() -> Result<Config> {
@@ -189,16 +196,22 @@ impl Config {
     fn apply(&mut self, canonical: &str, used: &str, v: &str) -> Result<()> {
         match canonical {
             "KVSWAP_ENABLE" => self.enable = parse_bool(used, v)?,
-            "KVSWAP_GPU_CHUNKS" => self.gpu_chunks = parse_uint(used, v, "a slot count >= 1")?,
+            "KVSWAP_GPU_CHUNKS" => self.gpu_chunks = parse_nonzero(used, v, "a slot count >= 1")?,
             "KVSWAP_PINNED_MIB" => self.pinned_mib = parse_uint(used, v, "a size in MiB")?,
             "KVSWAP_SYNC" => self.sync = parse_bool(used, v)?,
             "KVSWAP_VALIDATE" => self.validate = parse_bool(used, v)?,
             "KVSWAP_TEST_ALLOW_TOPK_REDUCTION" => {
                 self.test_allow_topk_reduction = parse_bool(used, v)?
             }
-            "KVSWAP_INDEX_TOPK" => self.index_topk = parse_uint(used, v, "a chunk count >= 1")?,
+            "KVSWAP_INDEX_TOPK" => self.index_topk = parse_nonzero(used, v, "a chunk count >= 1")?,
             "KVSWAP_WINDOW" => self.window = parse_uint(used, v, "a token count")?,
             "KVSWAP_FM_CKPT" => {
+                if v.len() >= KVSWAP_PATH_MAX || v.contains('\0') {
+                    return Err(bad(used, &format!("{}...", &v[..v.len().min(64)]), &format!(
+                        "a path shorter than {KVSWAP_PATH_MAX} bytes (this one has {})",
+                        v.len()
+                    )));
+                }
                 self.fm_ckpt = if v.is_empty() { None } else { Some(PathBuf::from(v)) }
             }
             "KVSWAP_FM_ENSEMBLE" => {
@@ -241,6 +254,11 @@ impl Config {
         if self.window > i32::MAX as u32 / 2 {
             return Err(Error::invalid(format!("window={} is too large (KVSWAP_WINDOW)", self.window)));
         }
+        if let Some(p) = &self.fm_ckpt {
+            if p.as_os_str().len() >= KVSWAP_PATH_MAX {
+                return Err(Error::invalid(format!("fm_ckpt is {} bytes; the limit is {}", p.as_os_str().len(), KVSWAP_PATH_MAX - 1)));
+            }
+        }
         if self.device < 0 {
             return Err(Error::invalid(format!("device={} must be >= 0 (KVSWAP_DEVICE)", self.device)));
         }
@@ -267,7 +285,8 @@ impl Config {
         let mut fm_ckpt = [0 as c_char; KVSWAP_PATH_MAX];
         if let Some(p) = &self.fm_ckpt {
             let bytes = p.as_os_str().as_encoded_bytes();
-            // Paths are checked to fit when they enter a Config; truncate defensively.
+            // Paths from the environment or from_c are checked to fit; a
+            // longer PathBuf set by Rust code is truncated (validate() refuses it).
             for (d, s) in fm_ckpt.iter_mut().zip(bytes.iter().take(KVSWAP_PATH_MAX - 1)) {
                 *d = *s as c_char;
             }
@@ -434,7 +453,12 @@ mod tests {
             assert!(e.message.contains(&format!("{v:?}")), "{e} names {v}");
         }
         let e = Config::from_lookup(env(&[("KVSWAP_GPU_CHUNKS", "0")])).unwrap_err();
-        assert!(e.message.contains("KVSWAP_GPU_CHUNKS"), "{e}");
+        assert!(e.message.contains("KVSWAP_GPU_CHUNKS=\"0\""), "{e}");
+        let e = Config::from_lookup(env(&[("POCKETLLM_GGUF_KV_SWAP_GPU_CHUNKS", "0")])).unwrap_err();
+        assert!(e.message.contains("POCKETLLM_GGUF_KV_SWAP_GPU_CHUNKS=\"0\""), "an alias is named as set: {e}");
+        let long = "x".repeat(KVSWAP_PATH_MAX + 10);
+        let e = Config::from_lookup(env(&[("KVSWAP_FM_CKPT", &long)])).unwrap_err();
+        assert!(e.message.contains("KVSWAP_FM_CKPT") && e.message.contains("shorter than"), "{e}");
     }
 
     #[test]

@@ -119,6 +119,24 @@ impl Context {
         Ok(m.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
+    /// At most `gpu_chunks` entries per call (on a fully resident layer, at
+    /// most its `compressed_cap` rows if that is larger).
+    fn check_count(&self, layer: usize, plan: &LayerPlan, count: usize) -> Result<()> {
+        let max = plan.slots.max(self.config.gpu_chunks) as usize;
+        if count > max {
+            return Err(Error::out_of_range(if plan.swap {
+                format!("layer {layer}: count={count} selected chunks exceeds gpu_chunks={}", self.config.gpu_chunks)
+            } else {
+                format!(
+                    "layer {layer}: count={count} selected chunks exceeds the limit {max} of this fully resident \
+                     layer (max of gpu_chunks={} and compressed_cap={})",
+                    self.config.gpu_chunks, plan.compressed_cap
+                )
+            }));
+        }
+        Ok(())
+    }
+
     fn check_id(&self, layer: usize, id: i64) -> Result<u32> {
         let cap = self.plan(layer)?.compressed_cap;
         if id < 0 || id >= cap as i64 {
@@ -166,12 +184,7 @@ impl Context {
         if indices == 0 {
             return Err(Error::null("indices"));
         }
-        let max = plan.slots.max(self.config.gpu_chunks);
-        if count > max {
-            return Err(Error::out_of_range(format!(
-                "layer {layer}: count={count} selected chunks exceeds gpu_chunks={max}"
-            )));
-        }
+        self.check_count(layer, plan, count as usize)?;
         if window_len as u64 + plan.slots as u64 >= 1 << 30 {
             return Err(Error::out_of_range(format!(
                 "window_len={window_len} + slots must stay below 2^30"
@@ -184,6 +197,14 @@ impl Context {
     /// Counters of `layer`; reports a deferred error first.
     pub fn stats(&self, layer: usize) -> Result<KvswapLayerStats> {
         self.layer(layer)?.stats()
+    }
+
+    /// Waits for outstanding device work of every layer (and for `stream`,
+    /// when given: needed after replaying a captured graph) and returns the
+    /// first deferred error (clearing all of them).
+    pub fn sync_stream(&self, stream: StreamHandle) -> Result<()> {
+        self.backend.sync_stream(stream)?;
+        self.sync()
     }
 
     /// Waits for outstanding device work of every layer and returns the first
@@ -209,54 +230,55 @@ impl Context {
         self.layer(layer)?.residency()
     }
 
-    // ---- safe helpers for host memory (CPU backend) ----
+    // ---- helpers over host memory, on every backend ----
+    // On CUDA they copy through a device buffer and wait for the device:
+    // convenient for tools and tests, not for a decode loop.
 
-    fn require_host(&self) -> Result<()> {
-        if self.backend.kind() != BackendKind::Cpu {
-            return Err(Error::new(
-                crate::error::KvswapStatus::Unsupported,
-                "slice helpers take host memory: use the *_raw functions with device pointers on CUDA",
-            ));
-        }
-        Ok(())
-    }
-
-    /// Stores one chunk from a host slice (CPU backend).
+    /// Stores one chunk from a host slice.
     pub fn store(&self, layer: usize, id: i32, src: &[u8]) -> Result<()> {
-        self.require_host()?;
-        let n = self.plan(layer)?.chunk_bytes;
-        if src.len() != n {
-            return Err(Error::invalid(format!("src has {} bytes, chunk_bytes is {n}", src.len())));
-        }
-        // SAFETY: `src` is a live host slice of chunk_bytes.
-        unsafe { self.store_raw(layer, &[id], src.as_ptr() as u64, n, 0) }
+        self.store_rows(layer, &[id], src)
     }
 
-    /// Swap-in over a host index buffer (CPU backend): `indices[window_len..]`.
+    /// Stores `ids.len()` chunks from consecutive rows of `rows`.
+    pub fn store_rows(&self, layer: usize, ids: &[i32], rows: &[u8]) -> Result<()> {
+        let n = self.plan(layer)?.chunk_bytes;
+        if ids.is_empty() {
+            return Err(Error::invalid("store of 0 chunks"));
+        }
+        if rows.len() != n * ids.len() {
+            return Err(Error::invalid(format!(
+                "src has {} bytes, {} chunks of chunk_bytes={n} need {}",
+                rows.len(),
+                ids.len(),
+                n * ids.len()
+            )));
+        }
+        let checked = ids.iter().map(|&id| self.check_id(layer, id as i64)).collect::<Result<Vec<u32>>>()?;
+        self.layer(layer)?.store_host(&checked, rows)
+    }
+
+    /// Swap-in over a host index buffer: `indices[window_len..]` are the
+    /// selected entries.
     pub fn swap_in(&self, layer: usize, indices: &mut [i32], window_len: u32) -> Result<()> {
-        self.require_host()?;
+        let plan = self.plan(layer)?;
         let count = indices
             .len()
             .checked_sub(window_len as usize)
             .ok_or_else(|| Error::invalid("window_len is larger than the index buffer"))?;
-        let count = u32::try_from(count).map_err(|_| Error::out_of_range("too many indices"))?;
-        // SAFETY: a live, exclusively borrowed host slice of window_len + count ints.
-        unsafe { self.swap_in_raw(layer, indices.as_mut_ptr() as u64, window_len, count, 0) }
+        self.check_count(layer, plan, count)?;
+        if window_len as u64 + plan.slots as u64 >= 1 << 30 {
+            return Err(Error::out_of_range(format!("window_len={window_len} + slots must stay below 2^30")));
+        }
+        self.layer(layer)?.swap_in_host(indices, window_len)
     }
 
-    /// The bytes of staging slot `slot` (CPU backend).
+    /// The bytes of staging slot `slot`.
     pub fn slot_bytes(&self, layer: usize, slot: u32) -> Result<Vec<u8>> {
-        self.require_host()?;
-        let plan = *self.plan(layer)?;
-        let v = self.staging(layer)?;
-        if slot >= v.rows {
-            return Err(Error::out_of_range(format!("slot {slot} >= {}", v.rows)));
+        let rows = self.plan(layer)?.slots;
+        if slot >= rows {
+            return Err(Error::out_of_range(format!("slot {slot} >= {rows}")));
         }
-        // SAFETY: the staging buffer has `rows` rows of `stride >= chunk_bytes`
-        // bytes; the layer lock is not held, but reading a row while another
-        // thread swaps into the same layer is the caller's race to avoid.
-        let row = unsafe { std::slice::from_raw_parts((v.ptr + slot as u64 * v.stride) as *const u8, plan.chunk_bytes) };
-        Ok(row.to_vec())
+        self.layer(layer)?.read_slot(slot)
     }
 }
 
@@ -264,7 +286,12 @@ impl Drop for Context {
     fn drop(&mut self) {
         for (l, m) in self.layers.iter().enumerate() {
             let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
-            if let Ok(s) = g.stats() {
+            // A deferred error nobody collected is reported, then the stats.
+            let s = g.stats().or_else(|e| {
+                log::warn!("kvswap: layer={l} error not collected before destroy: {e}");
+                g.stats()
+            });
+            if let Ok(s) = s {
                 log::info!("{}", stats_line(l, &s));
             }
         }

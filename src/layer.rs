@@ -154,3 +154,19 @@ pub fn check_pinned_cap(required: u64, cap_mib: u64) -> Result<()> {
     }
     Ok(())
 }
+
+/// The distinct ids of a store batch with the row each is read from: when an
+/// id repeats, its last row wins (as if the rows were stored in order).
+/// Ordered by row.
+pub fn dedup_last(ids: &[u32]) -> Vec<(u32, u32)> {
+    if ids.len() == 1 {
+        return vec![(ids[0], 0)];
+    }
+    let mut last = std::collections::HashMap::with_capacity(ids.len());
+    for (row, &id) in ids.iter().enumerate() {
+        last.insert(id, row as u32);
+    }
+    let mut pairs: Vec<(u32, u32)> = last.into_iter().collect();
+    pairs.sort_unstable_by_key(|&(_, row)| row);
+    pairs
+}

@@ -11,10 +11,16 @@ pub mod backend;
 pub mod config;
 pub mod context;
 pub mod ffi;
+#[cfg(feature = "cuda")]
+pub mod gpubench;
 pub mod hostmem;
+pub mod kernels;
 pub mod layer;
 pub mod logging;
 pub mod residency;
+pub mod plan;
+pub mod demo;
+pub mod svg;
 
 pub use backend::BackendKind;
 pub use config::{BackendChoice, Config, Ensemble, KvswapConfig};

@@ -31,12 +31,17 @@ impl log::Log for KvswapLogger {
             return;
         }
         let line = format!("{}", r.args());
-        let sink = SINK.read().unwrap_or_else(|p| p.into_inner());
-        match sink.callback {
+        // Copy the sink out so the callback runs without the lock held (it
+        // may itself call kvswap_set_log_callback).
+        let (callback, user_data) = {
+            let sink = SINK.read().unwrap_or_else(|p| p.into_inner());
+            (sink.callback, sink.user_data)
+        };
+        match callback {
             Some(cb) => {
                 let c = CString::new(line.replace('\0', " ")).unwrap_or_default();
                 // SAFETY: the engine registered `cb` for exactly this call shape.
-                unsafe { cb(r.level() as u32, c.as_ptr(), sink.user_data as *mut c_void) }
+                unsafe { cb(r.level() as u32, c.as_ptr(), user_data as *mut c_void) }
             }
             None => {
                 let _ = writeln!(std::io::stderr().lock(), "{line}");

@@ -113,12 +113,17 @@ impl Residency {
         self.stored[(id / 64) as usize] >> (id % 64) & 1 == 1
     }
 
-    /// Marks `id` stored. Returns the slot that holds it, if any (its bytes
-    /// must be refreshed).
-    pub fn mark_stored(&mut self, id: u32) -> Option<u32> {
+    /// Marks `id` stored. Returns the slot its bytes must also be written to,
+    /// if any, and whether that slot already held the chunk (a refresh) -
+    /// on a fully resident layer the first store fills the slot.
+    pub fn mark_stored(&mut self, id: u32) -> Option<(u32, bool)> {
         debug_assert!(id < self.cap);
+        let was_stored = self.is_stored(id);
         self.stored[(id / 64) as usize] |= 1 << (id % 64);
-        self.slot_of(id)
+        if self.identity {
+            return Some((id, was_stored));
+        }
+        self.slot_of(id).map(|s| (s, true))
     }
 
     /// The slot holding chunk `id`, if resident.

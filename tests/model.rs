@@ -6,7 +6,7 @@
 mod common;
 
 use common::{Model, ModelError, Rng};
-use kvswap::{BackendChoice, Config, Context, KvswapLayerSpec, KvswapStatus};
+use kvswap::{Config, Context, KvswapLayerSpec, KvswapStatus};
 
 fn spec(cap: u32, chunk_bytes: u32) -> KvswapLayerSpec {
     KvswapLayerSpec { compressed_cap: cap as u64, chunk_bytes: chunk_bytes as u64, staging: std::ptr::null_mut(), staging_stride: 0 }
@@ -20,7 +20,7 @@ fn run(steps: usize, strict: bool, rng: &mut Rng) {
         enable: true,
         gpu_chunks: slots,
         index_topk: slots,
-        backend: BackendChoice::Cpu,
+        backend: common::test_backend(),
         sync: strict,
         ..Config::default()
     };
@@ -102,11 +102,11 @@ fn status_of(e: ModelError) -> KvswapStatus {
 #[test]
 fn hundred_thousand_random_steps_strict() {
     let mut rng = Rng::fresh("model strict");
-    run(100_000, true, &mut rng);
+    run(common::scaled(100_000), true, &mut rng);
 }
 
 #[test]
 fn random_steps_deferred_errors() {
     let mut rng = Rng::fresh("model deferred");
-    run(30_000, false, &mut rng);
+    run(common::scaled(30_000), false, &mut rng);
 }

@@ -6,7 +6,7 @@
 mod common;
 
 use common::{Model, Rng};
-use kvswap::{BackendChoice, Config, Context, KvswapLayerSpec};
+use kvswap::{Config, Context, KvswapLayerSpec};
 use std::sync::{Arc, Mutex};
 
 const CHUNK: usize = 64;
@@ -47,7 +47,7 @@ fn selection(rng: &mut Rng, stored: &[bool]) -> Vec<i32> {
 
 #[test]
 fn eight_threads_disjoint_and_shared_layers() {
-    let cfg = Config { enable: true, gpu_chunks: SLOTS, index_topk: SLOTS, backend: BackendChoice::Cpu, ..Config::default() };
+    let cfg = Config { enable: true, gpu_chunks: SLOTS, index_topk: SLOTS, backend: common::test_backend(), ..Config::default() };
     let specs: Vec<KvswapLayerSpec> = (0..7)
         .map(|_| KvswapLayerSpec { compressed_cap: CAP as u64, chunk_bytes: CHUNK as u64, staging: std::ptr::null_mut(), staging_stride: 0 })
         .collect();

@@ -5,7 +5,7 @@ use super::{Backend, BackendKind, LayerOps, StreamHandle};
 use crate::config::Config;
 use crate::error::{Error, KvswapStatus, Result};
 use crate::hostmem::HostBuf;
-use crate::layer::{KvswapLayerStats, LayerPlan, StagingView};
+use crate::layer::{dedup_last, KvswapLayerStats, LayerPlan, StagingView};
 use crate::residency::{EntryError, Residency};
 use std::sync::Arc;
 
@@ -106,16 +106,16 @@ impl CpuLayer {
 impl LayerOps for CpuLayer {
     unsafe fn store(&mut self, ids: &[u32], src: u64, src_stride: usize, _stream: StreamHandle) -> Result<()> {
         let n = self.plan.chunk_bytes;
-        for (i, &id) in ids.iter().enumerate() {
+        for (id, row) in dedup_last(ids) {
             // SAFETY: the caller guarantees the source rows are readable.
-            let from = unsafe { (src as *const u8).add(i * src_stride) };
+            let from = unsafe { (src as *const u8).add(row as usize * src_stride) };
             // SAFETY: host row and source are `n` bytes; they do not overlap
             // unless the engine passed our own memory, which copy handles.
             unsafe { std::ptr::copy(from, self.host_row(id), n) };
-            if let Some(slot) = self.residency.mark_stored(id) {
+            if let Some((slot, refresh)) = self.residency.mark_stored(id) {
                 // SAFETY: both rows are `n` bytes, distinct allocations.
                 unsafe { std::ptr::copy(self.host_row(id), self.slot_row(slot), n) };
-                self.stats.refreshes += 1;
+                self.stats.refreshes += refresh as u64;
             }
             self.stats.stores += 1;
             self.stats.d2h_bytes += n as u64;
@@ -196,5 +196,22 @@ impl LayerOps for CpuLayer {
 
     fn residency(&mut self) -> Result<Vec<(u32, u32)>> {
         Ok((0..self.plan.slots).filter_map(|s| self.residency.chunk_in(s).map(|c| (s, c))).collect())
+    }
+
+    fn read_slot(&mut self, slot: u32) -> Result<Vec<u8>> {
+        // SAFETY: slot < slots (checked by the context); rows are chunk_bytes long.
+        Ok(unsafe { std::slice::from_raw_parts(self.slot_row(slot), self.plan.chunk_bytes) }.to_vec())
+    }
+
+    fn store_host(&mut self, ids: &[u32], rows: &[u8]) -> Result<()> {
+        let n = self.plan.chunk_bytes;
+        // SAFETY: `rows` is a live slice of ids.len() rows of chunk_bytes.
+        unsafe { self.store(ids, rows.as_ptr() as u64, n, 0) }
+    }
+
+    fn swap_in_host(&mut self, indices: &mut [i32], window_len: u32) -> Result<()> {
+        let count = (indices.len() - window_len as usize) as u32;
+        // SAFETY: a live, exclusively borrowed slice of window_len + count ints.
+        unsafe { self.swap_in(indices.as_mut_ptr() as u64, window_len, count, 0) }
     }
 }

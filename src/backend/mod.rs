@@ -60,6 +60,17 @@ pub trait LayerOps: Send {
     /// `(slot, chunk)` of every resident chunk, for tests and tools
     /// (synchronises with the device).
     fn residency(&mut self) -> Result<Vec<(u32, u32)>>;
+
+    /// The bytes of staging slot `slot` (synchronises with the device).
+    fn read_slot(&mut self, slot: u32) -> Result<Vec<u8>>;
+
+    /// Stores chunks from host memory: `rows` holds `ids.len()` rows of
+    /// `chunk_bytes` (on CUDA, through a device copy; synchronous).
+    fn store_host(&mut self, ids: &[u32], rows: &[u8]) -> Result<()>;
+
+    /// A swap-in over a host index buffer (on CUDA, through a device copy;
+    /// synchronous).
+    fn swap_in_host(&mut self, indices: &mut [i32], window_len: u32) -> Result<()>;
 }
 
 /// A backend instance, bound to one device (or to the host).
@@ -69,6 +80,10 @@ pub trait Backend: Send + Sync {
     fn describe(&self) -> String;
     /// Allocates every layer's host tier (one pool) and staging.
     fn create_layers(&self, plans: &[LayerPlan], cfg: &Config) -> Result<Vec<Box<dyn LayerOps>>>;
+    /// Waits for `stream` (0: nothing to wait for).
+    fn sync_stream(&self, _stream: StreamHandle) -> Result<()> {
+        Ok(())
+    }
     /// Bytes of host tier this backend would pin for `plans`.
     fn host_bytes(&self, plans: &[LayerPlan]) -> u64 {
         plans.iter().map(|p| p.host_bytes()).sum()

@@ -1,1 +1,563 @@
-fn main() {}
+//! `kvswap`: the command-line tool.
+//!
+//! - `kvswap plan --context 1M`: pinned host memory, GPU memory with and
+//!   without swap, and the `KVSWAP_PINNED_MIB` to set (see `kvswap::plan`).
+//! - `kvswap demo`: a simulated decode loop on the library (see `kvswap::demo`).
+//! - `kvswap demo --sweep`: the same over several `gpu_chunks`, with a table
+//!   and an SVG plot.
+//!
+//! Exit codes: 0 success, 2 usage error (bad flag, value or model file),
+//! 1 runtime error (the library or the file system failed).
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvswap::demo::{self, DemoParams, DemoReport};
+use kvswap::plan::{self, fixed, thousands, tokens_short, Dtype, LayerClass, Model, PlanError, MB, MIB};
+use kvswap::BackendChoice;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "kvswap",
+    version,
+    about = "Plan and try kvswap: host-tier KV chunks with a fixed set of GPU staging slots",
+    after_help = "Start with `kvswap plan --context 1M` (the reference engine of DESIGN.md), \
+                  then `kvswap demo` and `kvswap demo --sweep`."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Memory plan: pinned host tier, GPU KV with and without swap, KVSWAP_PINNED_MIB to set.
+    Plan(PlanArgs),
+    /// Simulated decode loop on the library; `--sweep` compares several gpu_chunks values.
+    Demo(DemoArgs),
+    /// Swap-in benchmark: on CUDA beside the bulk H2D ceiling and a per-chunk memcpy baseline.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Backend to measure (auto: CUDA when present, else the CPU).
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: i32,
+    /// A shorter run (fewer sizes and rounds).
+    #[arg(long)]
+    quick: bool,
+    /// Also write the results as JSON to PATH.
+    #[arg(long, value_name = "PATH")]
+    json: Option<PathBuf>,
+}
+
+/// A list of layer classes, as given by `--layers 20x4,21x128`.
+#[derive(Clone, Debug)]
+struct Layers(Vec<LayerClass>);
+
+#[derive(Args)]
+struct PlanArgs {
+    /// Context length in tokens: 8K, 256K, 1M or an integer (K = 1024, M = 1048576).
+    #[arg(long, default_value = "1M", value_parser = tokens_arg)]
+    context: u64,
+    /// Model description (TOML), e.g. integrations/models/reference.toml; flags override it.
+    #[arg(long, value_name = "FILE")]
+    model: Option<PathBuf>,
+    /// Layer classes as COUNTxRATIO, comma-separated [default: 20x4,21x128].
+    #[arg(long, value_name = "COUNTxRATIO,...", value_parser = layers_arg)]
+    layers: Option<Layers>,
+    /// Elements per compressed chunk [default: 512].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    kv_dim: Option<u32>,
+    /// Chunk element type: f32, f16, bf16 or fp8 [default: f32].
+    #[arg(long, value_parser = dtype_arg)]
+    dtype: Option<Dtype>,
+    /// Sliding-window tokens kept on the GPU [default: 128].
+    #[arg(long)]
+    window: Option<u32>,
+    /// Staging slots per layer, KVSWAP_GPU_CHUNKS [default: 512].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    gpu_chunks: Option<u32>,
+    /// GPU bytes of indexer keys per token [default: 5376 = 21 layers x 128-dim bf16].
+    #[arg(long, value_name = "BYTES")]
+    indexer_bytes_per_token: Option<u64>,
+    /// GPU bytes of the scorer weights [default: 500000000].
+    #[arg(long, value_name = "BYTES")]
+    scorer_weight_bytes: Option<u64>,
+    /// Print the plan as JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum BackendArg {
+    /// CUDA when a driver and a device are present, else the CPU backend.
+    Auto,
+    /// Host memory plays the device.
+    Cpu,
+    /// CUDA; fails (exit 1) when no device or no CUDA build is available.
+    Cuda,
+}
+
+impl From<BackendArg> for BackendChoice {
+    fn from(b: BackendArg) -> BackendChoice {
+        match b {
+            BackendArg::Auto => BackendChoice::Auto,
+            BackendArg::Cpu => BackendChoice::Cpu,
+            BackendArg::Cuda => BackendChoice::Cuda,
+        }
+    }
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Tokens of context before decode starts (K = 1024, M = 1048576).
+    #[arg(long, default_value = "256K", value_parser = tokens_arg)]
+    context: u64,
+    /// Tokens per compressed chunk.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    ratio: u32,
+    /// Number of sparse layers (all at --ratio).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    layers: u32,
+    /// f32 elements per chunk (chunk bytes = 4 x kv_dim).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    kv_dim: u32,
+    /// Staging slots per layer.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    gpu_chunks: u32,
+    /// Chunks selected per step (one global top-k shared by all layers).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    topk: u32,
+    /// Decode steps (one token each).
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
+    steps: u64,
+    /// Fraction of the previous step's selection kept, in [0, 1].
+    #[arg(long, default_value_t = 0.8, value_parser = fraction_arg)]
+    locality: f64,
+    /// Fraction of fresh picks from the --recent-chunks newest chunks (the rest: uniform over history), in [0, 1].
+    #[arg(long, default_value_t = 0.25, value_parser = fraction_arg)]
+    recent_frac: f64,
+    /// How many of the newest chunks count as recent.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    recent_chunks: u32,
+    /// Seed of the selection sequence.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Sliding-window tokens.
+    #[arg(long, default_value_t = 128)]
+    window: u32,
+    /// Backend of the context.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
+    /// Run once per --sweep-chunks value and print the comparison table.
+    #[arg(long)]
+    sweep: bool,
+    /// gpu_chunks values of the sweep (implies --sweep).
+    #[arg(long, value_delimiter = ',', value_name = "N,N,...", value_parser = clap::value_parser!(u32).range(1..))]
+    sweep_chunks: Vec<u32>,
+    /// Where the sweep writes its plot [default: kvswap-sweep.svg].
+    #[arg(long, value_name = "PATH")]
+    svg: Option<PathBuf>,
+    /// Also write the results as JSON to PATH.
+    #[arg(long, value_name = "PATH")]
+    json: Option<PathBuf>,
+    /// Show the library's info log lines (KVSWAP_LOG, when set, wins).
+    #[arg(long, short)]
+    verbose: bool,
+}
+
+const DEFAULT_SWEEP_CHUNKS: [u32; 5] = [512, 1024, 2048, 4096, 8192];
+
+/// Why the program stops: a usage error (exit 2) or a runtime error (exit 1).
+enum Failure {
+    Usage(String),
+    Runtime(String),
+}
+
+impl From<PlanError> for Failure {
+    fn from(e: PlanError) -> Failure {
+        Failure::Usage(e.to_string())
+    }
+}
+
+impl From<kvswap::Error> for Failure {
+    fn from(e: kvswap::Error) -> Failure {
+        Failure::Runtime(e.to_string())
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Plan(a) => cmd_plan(a),
+        Command::Demo(a) => cmd_demo(a),
+        Command::Bench(a) => cmd_bench(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Usage(m)) => {
+            eprintln!("kvswap: error: {m}");
+            eprintln!("For more information, try '--help'.");
+            ExitCode::from(2)
+        }
+        Err(Failure::Runtime(m)) => {
+            eprintln!("kvswap: error: {m}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+// ------------------------------------------------------------ bench
+
+fn cmd_bench(a: BenchArgs) -> Result<(), Failure> {
+    kvswap::logging::init();
+    if std::env::var_os("KVSWAP_LOG").is_none() {
+        log::set_max_level(log::LevelFilter::Warn);
+    }
+    let backend: BackendChoice = a.backend.into();
+    #[cfg(feature = "cuda")]
+    if backend != BackendChoice::Cpu {
+        match kvswap::gpubench::run(a.device, a.quick) {
+            Ok(r) => {
+                emit(&kvswap::gpubench::render(&r))?;
+                if let Some(path) = &a.json {
+                    write_file(path, &to_json(&r)?)?;
+                    emit(&format!("wrote {}\n", path.display()))?;
+                }
+                return Ok(());
+            }
+            Err(e) if backend == BackendChoice::Auto && e.status == kvswap::KvswapStatus::NoDevice => {
+                emit(&format!("note: no CUDA device ({}); measuring the CPU backend\n\n", e.message))?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    if backend == BackendChoice::Cuda {
+        return Err(Failure::Runtime("this build has no CUDA backend (feature `cuda` off)".into()));
+    }
+    let rows = kvswap::demo::cpu_swap_bench(a.quick)?;
+    emit(&kvswap::demo::render_cpu_swap_bench(&rows))?;
+    if let Some(path) = &a.json {
+        write_file(path, &to_json(&rows)?)?;
+        emit(&format!("wrote {}\n", path.display()))?;
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------ value parsers
+
+fn tokens_arg(s: &str) -> Result<u64, String> {
+    plan::parse_tokens("--context", s).map_err(|e| e.reason)
+}
+
+fn layers_arg(s: &str) -> Result<Layers, String> {
+    plan::parse_layers(s).map(Layers).map_err(|e| e.reason)
+}
+
+fn dtype_arg(s: &str) -> Result<Dtype, String> {
+    Dtype::parse(s).ok_or_else(|| "unknown dtype: expected f32, f16, bf16 or fp8".to_string())
+}
+
+fn fraction_arg(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err("expected a number in [0, 1]".to_string()),
+    }
+}
+
+// ------------------------------------------------------------ output helpers
+
+/// Writes to stdout; a closed pipe (`kvswap plan | head`) is not an error.
+fn emit(text: &str) -> Result<(), Failure> {
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(Failure::Runtime(format!("writing to stdout: {e}")))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn write_file(path: &Path, text: &str) -> Result<(), Failure> {
+    std::fs::write(path, text).map_err(|e| Failure::Runtime(format!("cannot write {}: {e}", path.display())))
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> Result<String, Failure> {
+    serde_json::to_string_pretty(v).map(|s| s + "\n").map_err(|e| Failure::Runtime(format!("JSON: {e}")))
+}
+
+fn mib(bytes: u64) -> String {
+    fixed(bytes as f64 / MIB as f64, 2)
+}
+
+fn mb_mib(bytes: u64) -> String {
+    format!("{} MB ({} MiB)", fixed(bytes as f64 / MB, 2), mib(bytes))
+}
+
+/// `409600` -> `"409,600 B (400.0 KiB)"`.
+fn bytes_kib(bytes: f64) -> String {
+    format!("{} B ({} KiB)", thousands(bytes.round() as u64), fixed(bytes / 1024.0, 1))
+}
+
+// ------------------------------------------------------------ plan
+
+/// Defaults, then the model file, then the flags.
+fn plan_model(a: &PlanArgs) -> Result<Model, Failure> {
+    let mut m = match &a.model {
+        Some(path) => Model::from_toml_file(path)?,
+        None => Model::default(),
+    };
+    if let Some(Layers(l)) = &a.layers {
+        m.layers = l.clone();
+    }
+    m.kv_dim = a.kv_dim.unwrap_or(m.kv_dim);
+    m.dtype = a.dtype.unwrap_or(m.dtype);
+    m.window = a.window.unwrap_or(m.window);
+    m.gpu_chunks = a.gpu_chunks.unwrap_or(m.gpu_chunks);
+    m.indexer_bytes_per_token = a.indexer_bytes_per_token.unwrap_or(m.indexer_bytes_per_token);
+    m.scorer_weight_bytes = a.scorer_weight_bytes.unwrap_or(m.scorer_weight_bytes);
+    Ok(m)
+}
+
+fn cmd_plan(a: PlanArgs) -> Result<(), Failure> {
+    let model = plan_model(&a)?;
+    let p = plan::plan(&model, a.context)?;
+    if a.json {
+        emit(&to_json(&p)?)
+    } else {
+        emit(&plan::render(&p))
+    }
+}
+
+// ------------------------------------------------------------ demo
+
+fn demo_params(a: &DemoArgs) -> Result<DemoParams, Failure> {
+    let p = DemoParams {
+        context: a.context,
+        ratio: a.ratio,
+        layers: a.layers,
+        kv_dim: a.kv_dim,
+        gpu_chunks: a.gpu_chunks,
+        topk: a.topk,
+        steps: a.steps,
+        locality: a.locality,
+        recent_frac: a.recent_frac,
+        recent_chunks: a.recent_chunks,
+        seed: a.seed,
+        window: a.window,
+        backend: a.backend.into(),
+    };
+    p.validate()?;
+    Ok(p)
+}
+
+/// Library logs: warnings only, unless `--verbose` or `KVSWAP_LOG` says otherwise.
+fn set_log_level(verbose: bool) {
+    if std::env::var_os("KVSWAP_LOG").is_none() {
+        kvswap::logging::set_level(if verbose { 3 } else { 2 });
+    }
+}
+
+/// A progress bar on stderr for long runs in a terminal; `None` otherwise.
+fn progress_bar(total: u64, steps_per_run: u64) -> Option<ProgressBar> {
+    if steps_per_run < 1000 || !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let style = ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} steps, eta {eta}")
+        .map(|s| s.progress_chars("=> "))
+        .unwrap_or_else(|_| ProgressStyle::default_bar());
+    let pb = ProgressBar::new(total);
+    pb.set_style(style);
+    pb.set_message("prefill");
+    Some(pb)
+}
+
+/// Moves the bar to `pos`; at the first decode step of a run (`step == 1`)
+/// names the run and restarts the estimate, which prefill would skew.
+fn advance(pb: &Option<ProgressBar>, pos: u64, step: u64, gpu_chunks: u32) {
+    if let Some(pb) = pb {
+        if step == 1 {
+            pb.set_message(format!("decode, gpu_chunks={gpu_chunks}"));
+            pb.reset_eta();
+        }
+        pb.set_position(pos);
+    }
+}
+
+fn cmd_demo(a: DemoArgs) -> Result<(), Failure> {
+    set_log_level(a.verbose);
+    let p = demo_params(&a)?;
+    if a.sweep || !a.sweep_chunks.is_empty() {
+        let chunks = if a.sweep_chunks.is_empty() { DEFAULT_SWEEP_CHUNKS.to_vec() } else { a.sweep_chunks.clone() };
+        return cmd_sweep(&a, &p, &chunks);
+    }
+    let pb = progress_bar(p.steps, p.steps);
+    let r = demo::run(&p, &mut |s| advance(&pb, s, s, p.gpu_chunks));
+    if let Some(pb) = pb {
+        pb.finish_and_clear();
+    }
+    let r = r.map_err(|e| runtime_error(&p, e))?;
+    emit(&render_demo(&p, &r))?;
+    if let Some(path) = &a.json {
+        write_file(path, &to_json(&serde_json::json!({ "params": p, "result": r }))?)?;
+        emit(&format!("wrote {}\n", path.display()))?;
+    }
+    Ok(())
+}
+
+/// A library error, with a hint when an explicit `--backend cuda` cannot run.
+fn runtime_error(p: &DemoParams, e: kvswap::Error) -> Failure {
+    let hint = match (e.status, p.backend) {
+        (kvswap::KvswapStatus::NoDevice, BackendChoice::Cuda) => {
+            "--backend cuda was asked for explicitly, so the demo does not fall back; \
+             use --backend cpu (or auto, which falls back to the CPU with a note)"
+        }
+        _ => return e.into(),
+    };
+    Failure::Runtime(format!("{e}\n  {hint}"))
+}
+
+fn render_setup(p: &DemoParams, r: &DemoReport) -> String {
+    let new_chunks = (p.context + p.steps) / p.ratio as u64 - p.initial_chunks();
+    let mut s = format!("kvswap demo: simulated decode on the {} backend ({})\n", r.backend, r.backend_description);
+    if let Some(note) = &r.note {
+        s += &format!("  note: {note}\n");
+    }
+    s += &format!(
+        "  model:     {} layers at ratio {}, kv_dim {} x f32 = {} B per chunk, window {}\n\
+         \x20 context:   {} tokens ({}) = {} chunks per layer; {} decode steps add {} chunks\n\
+         \x20 swap:      gpu_chunks {} slots per layer, top-k {} (one global selection shared by all layers)\n\
+         \x20 selection: keep {}% of the previous step's chunks; fresh picks {}% from the {} newest chunks, \
+         the rest uniform over the history; seed {}\n\
+         \x20 prefill:   {} chunk stores in {} s\n",
+        p.layers,
+        p.ratio,
+        p.kv_dim,
+        thousands(p.kv_dim as u64 * 4),
+        p.window,
+        thousands(p.context),
+        tokens_short(p.context),
+        thousands(p.initial_chunks()),
+        thousands(p.steps),
+        thousands(new_chunks),
+        p.gpu_chunks,
+        p.topk,
+        fixed(p.locality * 100.0, 0),
+        fixed(p.recent_frac * 100.0, 0),
+        thousands(p.recent_chunks as u64),
+        p.seed,
+        thousands(r.prefill_chunks),
+        fixed(r.prefill_s, 3),
+    );
+    s
+}
+
+fn render_demo(p: &DemoParams, r: &DemoReport) -> String {
+    let mut s = render_setup(p, r);
+    s += &format!(
+        "\nresults over {} decode steps (timed: store of new chunks + swap-in of every layer)\n\
+         \x20 step time:      mean {} us, p50 {} us, p99 {} us\n\
+         \x20 throughput:     {} steps/s\n\
+         \x20 hit rate:       {}% (hits {}, misses {}, evictions {})\n\
+         \x20 moved per step: h2d {}, d2h {} (all {} layers)\n",
+        thousands(r.steps),
+        fixed(r.step_us_mean, 1),
+        fixed(r.step_us_p50, 1),
+        fixed(r.step_us_p99, 1),
+        fixed(r.steps_per_s, 0),
+        fixed(r.hit_rate * 100.0, 2),
+        thousands(r.hits),
+        thousands(r.misses),
+        thousands(r.evictions),
+        bytes_kib(r.h2d_bytes_per_step),
+        bytes_kib(r.d2h_bytes_per_step),
+        p.layers,
+    );
+    s += &format!(
+        "\nGPU memory of these {} layers at {} tokens (as `kvswap plan` counts it):\n\
+         \x20 KV without swap {}, with swap {}; pinned host tier {}\n",
+        p.layers,
+        thousands(p.context),
+        mb_mib(r.gpu_bytes_no_swap),
+        mb_mib(r.gpu_bytes_swap),
+        mb_mib(r.pinned_bytes),
+    );
+    s
+}
+
+fn cmd_sweep(a: &DemoArgs, p: &DemoParams, chunks: &[u32]) -> Result<(), Failure> {
+    if let Some(&c) = chunks.iter().find(|&&c| c < p.topk) {
+        return Err(Failure::Usage(format!(
+            "invalid --sweep-chunks value \"{c}\": every selected chunk needs a slot, values must be >= --topk={}",
+            p.topk
+        )));
+    }
+    let pb = progress_bar(p.steps * chunks.len() as u64, p.steps);
+    let reports = demo::sweep(p, chunks, &mut |i, s| advance(&pb, i as u64 * p.steps + s, s, chunks[i]));
+    if let Some(pb) = pb {
+        pb.finish_and_clear();
+    }
+    let reports = reports.map_err(|e| runtime_error(p, e))?;
+    emit(&render_sweep(p, &reports))?;
+    let svg_path = a.svg.clone().unwrap_or_else(|| PathBuf::from("kvswap-sweep.svg"));
+    write_file(&svg_path, &demo::sweep_chart(p, &reports).to_svg())?;
+    emit(&format!("\nwrote {}\n", svg_path.display()))?;
+    if let Some(path) = &a.json {
+        let no_swap = reports.first().map_or(0, |r| r.gpu_bytes_no_swap);
+        write_file(
+            path,
+            &to_json(&serde_json::json!({ "params": p, "gpu_bytes_no_swap": no_swap, "results": reports }))?,
+        )?;
+        emit(&format!("wrote {}\n", path.display()))?;
+    }
+    Ok(())
+}
+
+fn render_sweep(p: &DemoParams, reports: &[DemoReport]) -> String {
+    let backend = reports.first().map_or("?", |r| r.backend.as_str());
+    let mut s = format!(
+        "kvswap demo --sweep: {} layers at ratio {}, context {} tokens ({}), {} steps per run, top-k {}, \
+         locality {}, {} backend\n",
+        p.layers,
+        p.ratio,
+        thousands(p.context),
+        tokens_short(p.context),
+        thousands(p.steps),
+        p.topk,
+        p.locality,
+        backend
+    );
+    if let Some(note) = reports.first().and_then(|r| r.note.as_ref()) {
+        s += &format!("note: {note}\n");
+    }
+    if let Some(r) = reports.first() {
+        s += &format!(
+            "GPU KV without swap: {} MiB; pinned host tier: {} MiB\n",
+            mib(r.gpu_bytes_no_swap),
+            mib(r.pinned_bytes)
+        );
+    }
+    s += &format!(
+        "\n  {:>10}  {:>14}  {:>8}  {:>9}  {:>10}  {:>11}\n",
+        "gpu_chunks", "GPU MiB (swap)", "hit rate", "steps/s", "p99 us", "h2d B/step"
+    );
+    for r in reports {
+        s += &format!(
+            "  {:>10}  {:>14}  {:>7}%  {:>9}  {:>10}  {:>11}\n",
+            r.gpu_chunks,
+            mib(r.gpu_bytes_swap),
+            fixed(r.hit_rate * 100.0, 2),
+            fixed(r.steps_per_s, 0),
+            fixed(r.step_us_p99, 1),
+            thousands(r.h2d_bytes_per_step.round() as u64),
+        );
+    }
+    s
+}

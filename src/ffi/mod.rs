@@ -276,10 +276,7 @@ pub extern "C" fn kvswap_layer_staging(
 /// (ignored on the CPU backend).
 #[no_mangle]
 pub extern "C" fn kvswap_sync(ctx: *mut KvswapContext, stream: KvswapStream) -> KvswapStatus {
-    boundary("kvswap_sync", || {
-        let _ = stream;
-        ctx_ref(ctx)?.sync()
-    })
+    boundary("kvswap_sync", || ctx_ref(ctx)?.sync_stream(stream as u64))
 }
 
 /// Writes what the context runs on to `*out`.

@@ -5,6 +5,23 @@
 
 use std::collections::BTreeSet;
 
+/// The backend the shared tests run on: `KVSWAP_TEST_BACKEND=cpu` (default)
+/// or `cuda` (the GPU script reruns them there).
+pub fn test_backend() -> kvswap::BackendChoice {
+    match std::env::var("KVSWAP_TEST_BACKEND").as_deref() {
+        Ok("cuda") => kvswap::BackendChoice::Cuda,
+        Ok("cpu") | Err(_) => kvswap::BackendChoice::Cpu,
+        Ok(other) => panic!("KVSWAP_TEST_BACKEND={other:?}: expected cpu or cuda"),
+    }
+}
+
+/// Scales iteration counts (`KVSWAP_TEST_SCALE`, default 1.0), e.g. to keep
+/// runs under compute-sanitizer short.
+pub fn scaled(n: usize) -> usize {
+    let f: f64 = std::env::var("KVSWAP_TEST_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1.0);
+    ((n as f64 * f) as usize).max(1)
+}
+
 pub struct Rng(u64);
 
 impl Rng {

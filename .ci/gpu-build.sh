@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Builds everything the GPU machine runs, here (it has no Rust), into .gpu/:
+# the kvswap CLI, the cdylib, the test binaries and the C/C++ ABI tests.
+# Then, on the GPU machine (device tool, carry [".gpu"]): bash .ci/gpu-run.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rm -rf .gpu && mkdir -p .gpu/tests
+cargo build --release --bin kvswap --lib
+cp target/release/kvswap target/release/libkvswap.so .gpu/
+cargo test --release --no-run --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, sys, shutil
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
+        name = m["target"]["name"]
+        if m["target"]["kind"] == ["lib"]:
+            name = "unit"
+        shutil.copy(m["executable"], ".gpu/tests/" + name)
+        print("test binary:", name)
+'
+make -s -C ffi-tests LIBDIR="$PWD/target/release" BUILD="$PWD/.gpu/ffi" build >/dev/null 2>&1 || echo "note: ffi-tests not built"
+cp -r ffi-tests/Makefile .gpu/ffi/ 2>/dev/null || true
+du -sh .gpu

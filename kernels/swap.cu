@@ -1,0 +1,384 @@
+// kvswap swap kernels: the residency decision of one swap_in_selected call,
+// the one-launch gather of all misses from the mapped host tier, stores with
+// slot refresh, validation, and layer initialisation.
+//
+// Compiled at run time by NVRTC for the device's compute capability (no CUDA
+// headers needed). The residency rules are DESIGN.md's and match
+// src/residency.rs bit for bit:
+//   - -1 entries are padding and stay -1;
+//   - victims are slots not selected in this call, least recently used first,
+//     ties to the lower slot index; misses take victims in the order of their
+//     first appearance; duplicates map to the same slot;
+//   - slots selected by one call share its recency, ordered by slot index.
+// The LRU order lives on the device as an array of slots (least recent first),
+// double-buffered: each call writes the new order into the other buffer.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef int i32;
+typedef unsigned char u8;
+
+#define KV_NONE 0xFFFFFFFFu
+#define KV_CLAIM 0x80000000u
+#define KV_FULL_MASK 0xFFFFFFFFu
+
+// Error codes recorded on the device (first error wins).
+#define KV_ERR_OUT_OF_RANGE 1u
+#define KV_ERR_NOT_STORED 2u
+#define KV_ERR_VALIDATION 3u
+
+// Counters, in this order, in LayerDev::stats.
+#define KV_STAT_HITS 0
+#define KV_STAT_MISSES 1
+#define KV_STAT_EVICTIONS 2
+#define KV_STAT_STORES 3
+#define KV_STAT_REFRESHES 4
+#define KV_STAT_H2D 5
+#define KV_STAT_D2H 6
+#define KV_STAT_CALLS 7
+
+// Bytes one warp copies per task: 32 lanes x 16 B x 4 in flight.
+#define KV_PIECE 2048u
+
+// Everything a kernel needs about one layer; passed by value (so a captured
+// CUDA graph holds it), all pointers are device addresses.
+struct LayerDev {
+    u32* chunk_slot;      // [cap]   slot of each chunk, KV_NONE if not resident
+    u32* slot_chunk;      // [slots] chunk of each slot, KV_NONE if empty
+    u32* lru;             // [2*slots] two LRU orders, least recent first
+    u32* parity;          // [1] which half of lru is current
+    u32* stored;          // [ceil(cap/32)] chunk stored bits
+    u32* selected;        // [slots] per-call flags, zero between calls
+    u32* miss_list;       // [2*slots] (slot, chunk) of this call's misses
+    u32* n_miss;          // [1] misses of the last call (read by the gather)
+    u64* stats;           // [8] counters
+    u32* err;             // [4] code, position, id, spare
+    u8* host_tier;        // mapped pinned host memory, cap * chunk_bytes
+    u8* staging;          // slot rows
+    u64 stride;           // bytes between slot rows
+    u64 chunk_bytes;
+    u32 cap;
+    u32 slots;
+    u32 identity;         // 1: swap off, chunk id == slot
+    u32 pad;
+};
+
+__device__ __forceinline__ bool is_stored(const LayerDev& L, u32 id) {
+    return (L.stored[id >> 5] >> (id & 31)) & 1u;
+}
+
+__device__ __forceinline__ void record_error(u32* err, u32 code, u32 pos, u32 id) {
+    if (atomicCAS(&err[0], 0u, code) == 0u) {
+        err[1] = pos;
+        err[2] = id;
+    }
+}
+
+// Exclusive prefix sum of one value per thread over the block; *total gets the
+// sum. Every thread of the block must call it.
+__device__ u32 block_exclusive_sum(u32 v, u32* total) {
+    __shared__ u32 warp_sums[32];
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u32 nwarps = (blockDim.x + 31u) >> 5;
+    u32 x = v;
+#pragma unroll
+    for (u32 off = 1; off < 32; off <<= 1) {
+        u32 y = __shfl_up_sync(KV_FULL_MASK, x, off);
+        if (lane >= off) x += y;
+    }
+    if (lane == 31u) warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        u32 t = lane < nwarps ? warp_sums[lane] : 0u;
+#pragma unroll
+        for (u32 off = 1; off < 32; off <<= 1) {
+            u32 y = __shfl_up_sync(KV_FULL_MASK, t, off);
+            if (lane >= off) t += y;
+        }
+        warp_sums[lane] = t;
+    }
+    __syncthreads();
+    const u32 base = warp > 0 ? warp_sums[warp - 1] : 0u;
+    *total = warp_sums[nwarps - 1];
+    __syncthreads();
+    return base + x - v;
+}
+
+// Sum of one value per thread over the block. Every thread must call it.
+__device__ u32 block_sum(u32 v) {
+    u32 total;
+    block_exclusive_sum(v, &total);
+    return total;
+}
+
+// Ordered stream compaction over items 0..n: for each i with flag(i), calls
+// apply(i, rank) where rank counts flagged items before i. Each thread takes a
+// contiguous run of items so ranks follow item order. flag(i) is evaluated
+// twice and must not change in between except through apply(i, ...) itself.
+// Returns the number of flagged items. Every thread must call it.
+template <typename Flag, typename Apply>
+__device__ u32 block_compact(u32 n, Flag flag, Apply apply) {
+    const u32 per = (n + blockDim.x - 1) / blockDim.x;
+    const u32 lo = min(n, threadIdx.x * per), hi = min(n, lo + per);
+    u32 local = 0;
+    for (u32 i = lo; i < hi; ++i) local += flag(i) ? 1u : 0u;
+    u32 total;
+    u32 rank = block_exclusive_sum(local, &total);
+    for (u32 i = lo; i < hi; ++i)
+        if (flag(i)) apply(i, rank++);
+    __syncthreads();
+    return total;
+}
+
+// Initialises a layer's device state. Grid-stride; any launch shape.
+extern "C" __global__ void kvswap_init_layer(LayerDev L) {
+    const u32 t = blockIdx.x * blockDim.x + threadIdx.x, nt = gridDim.x * blockDim.x;
+    if (!L.identity) {
+        for (u32 i = t; i < L.cap; i += nt) L.chunk_slot[i] = KV_NONE;
+        for (u32 s = t; s < L.slots; s += nt) {
+            L.slot_chunk[s] = KV_NONE;
+            L.lru[s] = s;
+            L.lru[L.slots + s] = s;
+            L.miss_list[2 * s] = 0;
+            L.miss_list[2 * s + 1] = 0;
+        }
+    }
+    for (u32 s = t; s < L.slots; s += nt) L.selected[s] = 0;
+    for (u32 w = t; w < (L.cap + 31) / 32; w += nt) L.stored[w] = 0;
+    if (t < 8) L.stats[t] = 0;
+    if (t < 4) L.err[t] = 0;
+    if (t == 0) {
+        *L.parity = 0;
+        *L.n_miss = 0;
+    }
+}
+
+// The residency decision of one swap_in_selected call. One block (up to 1024
+// threads); everything it touches stays in L2. `strict`: on any bad entry,
+// record the error and change nothing; otherwise bad entries become -1.
+extern "C" __global__ void __launch_bounds__(1024)
+kvswap_swap_in(LayerDev L, i32* indices, u32 window, u32 count, u32 strict) {
+    __shared__ u32 s_err_pos;
+    __shared__ u32 s_evictions;
+    i32* e = indices + window;
+    const u32 tid = threadIdx.x, nt = blockDim.x;
+    if (tid == 0) {
+        s_err_pos = KV_NONE;
+        s_evictions = 0;
+    }
+    __syncthreads();
+
+    // Validate every entry before changing anything.
+    for (u32 i = tid; i < count; i += nt) {
+        const i32 id = e[i];
+        if (id == -1) continue;
+        if (id < 0 || (u32)id >= L.cap || !is_stored(L, (u32)id)) atomicMin(&s_err_pos, i);
+    }
+    __syncthreads();
+    if (s_err_pos != KV_NONE) {
+        if (tid == 0) {
+            const i32 id = e[s_err_pos];
+            const u32 code = (id < 0 || (u32)id >= L.cap) ? KV_ERR_OUT_OF_RANGE : KV_ERR_NOT_STORED;
+            record_error(L.err, code, s_err_pos, (u32)id);
+        }
+        if (strict) {
+            if (tid == 0) *L.n_miss = 0;
+            return;  // uniform: s_err_pos is shared
+        }
+        __syncthreads();  // the first bad entry was read before it is overwritten
+        for (u32 i = tid; i < count; i += nt) {
+            const i32 id = e[i];
+            if (id == -1) continue;
+            if (id < 0 || (u32)id >= L.cap || !is_stored(L, (u32)id)) e[i] = -1;
+        }
+        __syncthreads();
+    }
+
+    if (L.identity) {
+        u32 hits = 0;
+        for (u32 i = tid; i < count; i += nt) {
+            const i32 id = e[i];
+            if (id == -1) continue;
+            if (atomicExch(&L.selected[id], 1u) == 0u) ++hits;
+            e[i] = (i32)window + id;
+        }
+        hits = block_sum(hits);
+        for (u32 i = tid; i < count; i += nt) {
+            const i32 p = e[i];
+            if (p != -1) L.selected[p - (i32)window] = 0;
+        }
+        if (tid == 0) {
+            L.stats[KV_STAT_HITS] += hits;
+            L.stats[KV_STAT_CALLS] += 1;
+            *L.n_miss = 0;
+        }
+        return;
+    }
+
+    // Hits mark their slot selected; misses claim their chunk with the lowest
+    // position at which they appear (KV_CLAIM | position < KV_NONE).
+    for (u32 i = tid; i < count; i += nt) {
+        const i32 id = e[i];
+        if (id == -1) continue;
+        const u32 s = L.chunk_slot[id];
+        if (s < KV_CLAIM) L.selected[s] = 1u;
+        else atomicMin(&L.chunk_slot[id], KV_CLAIM | i);
+    }
+    __syncthreads();
+
+    // Misses in order of first appearance: the chunk of miss r goes to
+    // miss_list[2r+1].
+    const u32 n_miss = block_compact(
+        count,
+        [&](u32 i) {
+            const i32 id = e[i];
+            return id != -1 && L.chunk_slot[id] == (KV_CLAIM | i);
+        },
+        [&](u32 i, u32 r) { L.miss_list[2 * r + 1] = (u32)e[i]; });
+
+    // Victims: the first n_miss unselected slots in LRU order. Miss r takes
+    // victim r; the victim becomes selected.
+    const u32* cur = L.lru + (*L.parity) * L.slots;
+    u32* nxt = L.lru + (1u - *L.parity) * L.slots;
+    u32 evictions = 0;
+    block_compact(
+        L.slots,
+        [&](u32 p) { return L.selected[cur[p]] == 0u; },
+        [&](u32 p, u32 r) {
+            if (r >= n_miss) return;
+            const u32 s = cur[p], id = L.miss_list[2 * r + 1];
+            const u32 old = L.slot_chunk[s];
+            if (old != KV_NONE) {
+                L.chunk_slot[old] = KV_NONE;
+                ++evictions;
+            }
+            L.slot_chunk[s] = id;
+            L.chunk_slot[id] = s;
+            L.selected[s] = 1u;
+            L.miss_list[2 * r] = s;
+        });
+    evictions = block_sum(evictions);
+
+    // Rewrite every entry to its physical id.
+    for (u32 i = tid; i < count; i += nt) {
+        const i32 id = e[i];
+        if (id != -1) e[i] = (i32)window + (i32)L.chunk_slot[id];
+    }
+
+    // New LRU order: unselected slots keep their order, then the selected
+    // slots in ascending slot index.
+    const u32 kept = block_compact(
+        L.slots,
+        [&](u32 p) { return L.selected[cur[p]] == 0u; },
+        [&](u32 p, u32 r) { nxt[r] = cur[p]; });
+    const u32 n_selected = block_compact(
+        L.slots,
+        [&](u32 s) { return L.selected[s] != 0u; },
+        [&](u32 s, u32 r) { nxt[kept + r] = s; });
+    for (u32 s = tid; s < L.slots; s += nt) L.selected[s] = 0u;
+    if (tid == 0) {
+        *L.parity = 1u - *L.parity;
+        L.stats[KV_STAT_HITS] += n_selected - n_miss;
+        L.stats[KV_STAT_MISSES] += n_miss;
+        L.stats[KV_STAT_EVICTIONS] += evictions;
+        L.stats[KV_STAT_CALLS] += 1;
+        L.stats[KV_STAT_H2D] += (u64)n_miss * L.chunk_bytes;
+        *L.n_miss = n_miss;
+    }
+}
+
+// Copies `bytes` bytes from src to dst with one warp; 16-byte accesses when
+// `vec` (both addresses and the size 16-byte aligned), 4 loads in flight.
+__device__ __forceinline__ void warp_copy(u8* dst, const u8* src, u64 bytes, bool vec) {
+    const u32 lane = threadIdx.x & 31u;
+    if (vec) {
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        const u64 n = bytes / 16;
+        u64 i = lane;
+        for (; i + 96 < n; i += 128) {
+            uint4 a = s[i], b = s[i + 32], c = s[i + 64], f = s[i + 96];
+            d[i] = a;
+            d[i + 32] = b;
+            d[i + 64] = c;
+            d[i + 96] = f;
+        }
+        for (; i < n; i += 32) d[i] = s[i];
+    } else {
+        for (u64 i = lane; i < bytes; i += 32) dst[i] = src[i];
+    }
+}
+
+// One launch gathers every miss of the last kvswap_swap_in from the mapped
+// host tier into its slot. Each warp copies KV_PIECE-byte pieces.
+extern "C" __global__ void kvswap_gather(LayerDev L, u32 vec) {
+    const u32 n = *L.n_miss;
+    const u64 pieces = (L.chunk_bytes + KV_PIECE - 1) / KV_PIECE;
+    const u64 warp = (blockIdx.x * (u64)blockDim.x + threadIdx.x) >> 5;
+    const u64 nwarps = (gridDim.x * (u64)blockDim.x) >> 5;
+    for (u64 t = warp; t < n * pieces; t += nwarps) {
+        const u64 r = t / pieces, q = t % pieces;
+        const u32 s = L.miss_list[2 * r], id = L.miss_list[2 * r + 1];
+        const u64 off = q * KV_PIECE;
+        const u64 len = min((u64)KV_PIECE, L.chunk_bytes - off);
+        warp_copy(L.staging + s * L.stride + off, L.host_tier + id * L.chunk_bytes + off, len, vec != 0);
+    }
+}
+
+#define KV_STORE_MAX 256u
+
+// Ids of one store launch and the source row of each, by value
+// (graph-capturable, no host buffer).
+struct StoreIds {
+    u32 n;
+    u32 ids[KV_STORE_MAX];
+    u32 rows[KV_STORE_MAX];
+};
+
+// Copies chunk ids.ids[i] from src + ids.rows[i] * src_stride into the mapped
+// host tier (and into its slot when resident), then marks it stored. Ids are
+// distinct within a launch.
+extern "C" __global__ void kvswap_store(LayerDev L, const u8* src, u64 src_stride, StoreIds ids, u32 vec) {
+    const u64 pieces = (L.chunk_bytes + KV_PIECE - 1) / KV_PIECE;
+    const u64 warp = (blockIdx.x * (u64)blockDim.x + threadIdx.x) >> 5;
+    const u64 nwarps = (gridDim.x * (u64)blockDim.x) >> 5;
+    const u32 lane = threadIdx.x & 31u;
+    for (u64 t = warp; t < ids.n * pieces; t += nwarps) {
+        const u64 r = t / pieces, q = t % pieces;
+        const u32 id = ids.ids[r];
+        const u64 off = q * KV_PIECE;
+        const u64 len = min((u64)KV_PIECE, L.chunk_bytes - off);
+        const u8* from = src + ids.rows[r] * src_stride + off;
+        warp_copy(L.host_tier + id * L.chunk_bytes + off, from, len, vec != 0);
+        const u32 s = L.identity ? id : L.chunk_slot[id];
+        if (s < KV_CLAIM) warp_copy(L.staging + s * L.stride + off, from, len, vec != 0);
+        if (q == 0 && lane == 0) {
+            // A refresh: the slot already held this chunk (on a fully
+            // resident layer the first store fills the slot).
+            const u32 was = atomicOr(&L.stored[id >> 5], 1u << (id & 31)) & (1u << (id & 31));
+            if (s < KV_CLAIM && (!L.identity || was)) atomicAdd(&L.stats[KV_STAT_REFRESHES], 1ull);
+        }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        atomicAdd(&L.stats[KV_STAT_STORES], (u64)ids.n);
+        atomicAdd(&L.stats[KV_STAT_D2H], (u64)ids.n * L.chunk_bytes);
+    }
+}
+
+// KVSWAP_VALIDATE=1: every selected slot of the last call equals its host copy.
+extern "C" __global__ void kvswap_validate(LayerDev L, const i32* indices, u32 window, u32 count) {
+    const u64 warp = (blockIdx.x * (u64)blockDim.x + threadIdx.x) >> 5;
+    const u64 nwarps = (gridDim.x * (u64)blockDim.x) >> 5;
+    const u32 lane = threadIdx.x & 31u;
+    for (u64 i = warp; i < count; i += nwarps) {
+        const i32 p = indices[window + i];
+        if (p == -1) continue;
+        const u32 s = (u32)(p - (i32)window);
+        const u32 id = L.identity ? s : L.slot_chunk[s];
+        const u8* a = L.staging + s * L.stride;
+        const u8* b = L.host_tier + id * L.chunk_bytes;
+        bool same = true;
+        for (u64 k = lane; k < L.chunk_bytes; k += 32) same &= a[k] == b[k];
+        if (!__all_sync(KV_FULL_MASK, same) && lane == 0) record_error(L.err, KV_ERR_VALIDATION, (u32)i, id);
+    }
+}

@@ -1,0 +1,414 @@
+//! A thin, safe layer over the CUDA driver API (cudarc's raw `sys` bindings,
+//! loaded at run time). Every call's status is checked and turned into an
+//! [`Error`]; resources are RAII types. The library is probed before first
+//! use, because cudarc panics when libcuda is missing.
+
+use crate::error::{Error, KvswapStatus, Result};
+use cudarc::driver::sys;
+use std::ffi::{c_void, CStr};
+use std::sync::OnceLock;
+
+pub use sys::{CUcontext, CUdevice, CUdeviceptr, CUfunction, CUstream};
+
+/// Converts a driver status into a kvswap error that names the call.
+pub fn check(r: sys::CUresult, what: &str) -> Result<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorName writes a static string pointer or leaves it NULL.
+    unsafe { sys::cuGetErrorName(r, &mut name) };
+    let name = if name.is_null() {
+        format!("{r:?}")
+    } else {
+        // SAFETY: non-null pointers from cuGetErrorName are static C strings.
+        unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
+    };
+    let status = match r {
+        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => KvswapStatus::OutOfMemory,
+        sys::CUresult::CUDA_ERROR_NO_DEVICE | sys::CUresult::CUDA_ERROR_INVALID_DEVICE => KvswapStatus::NoDevice,
+        _ => KvswapStatus::DeviceError,
+    };
+    Err(Error::new(status, format!("{what} failed: {name}")))
+}
+
+/// Loads libcuda and runs cuInit once per process; NO_DEVICE when absent.
+pub fn init() -> Result<()> {
+    static INIT: OnceLock<Result<()>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        // SAFETY: only probes whether the library can be opened.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::new(
+                KvswapStatus::NoDevice,
+                "no CUDA driver: libcuda.so could not be loaded (is the NVIDIA driver installed?)",
+            ));
+        }
+        // SAFETY: the library is present; cuInit(0) has no other precondition.
+        check(unsafe { sys::cuInit(0) }, "cuInit").map_err(|e| Error::new(KvswapStatus::NoDevice, e.message))
+    })
+    .clone()
+}
+
+pub fn device_count() -> Result<i32> {
+    init()?;
+    let mut n = 0;
+    // SAFETY: writes one int.
+    check(unsafe { sys::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount")?;
+    Ok(n)
+}
+
+/// A device's primary context, retained for the lifetime of this value.
+pub struct Device {
+    pub ordinal: i32,
+    pub dev: CUdevice,
+    pub ctx: CUcontext,
+    pub name: String,
+    pub total_mem: usize,
+    pub cc: (i32, i32),
+    pub sm_count: i32,
+}
+
+// SAFETY: CUcontext handles may be used from any thread (with the context
+// made current there), which `CtxGuard` does.
+unsafe impl Send for Device {}
+unsafe impl Sync for Device {}
+
+impl Device {
+    pub fn open(ordinal: i32) -> Result<Device> {
+        let n = device_count()?;
+        if n == 0 {
+            return Err(Error::new(KvswapStatus::NoDevice, "the CUDA driver reports no device"));
+        }
+        if ordinal < 0 || ordinal >= n {
+            return Err(Error::new(
+                KvswapStatus::NoDevice,
+                format!("CUDA device {ordinal} does not exist: {n} device(s) present (KVSWAP_DEVICE)"),
+            ));
+        }
+        let mut dev = 0;
+        // SAFETY: valid ordinal; out-pointers are locals.
+        unsafe {
+            check(sys::cuDeviceGet(&mut dev, ordinal), "cuDeviceGet")?;
+        }
+        let attr = |a: sys::CUdevice_attribute| -> Result<i32> {
+            let mut v = 0;
+            // SAFETY: valid device handle.
+            check(unsafe { sys::cuDeviceGetAttribute(&mut v, a, dev) }, "cuDeviceGetAttribute")?;
+            Ok(v)
+        };
+        use sys::CUdevice_attribute::*;
+        if attr(CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY)? == 0 || attr(CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)? == 0 {
+            return Err(Error::new(
+                KvswapStatus::NoDevice,
+                format!("CUDA device {ordinal} cannot map host memory with unified addressing"),
+            ));
+        }
+        let cc = (attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?, attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?);
+        let sm_count = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let mut name_buf = [0 as std::ffi::c_char; 256];
+        let mut total_mem = 0usize;
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: buffers are large enough; dev is valid.
+        unsafe {
+            check(sys::cuDeviceGetName(name_buf.as_mut_ptr(), 255, dev), "cuDeviceGetName")?;
+            check(sys::cuDeviceTotalMem_v2(&mut total_mem, dev), "cuDeviceTotalMem")?;
+            check(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
+        }
+        // SAFETY: NUL-terminated by the driver within 255 bytes.
+        let name = unsafe { CStr::from_ptr(name_buf.as_ptr()) }.to_string_lossy().into_owned();
+        Ok(Device { ordinal, dev, ctx, name, total_mem, cc, sm_count })
+    }
+
+    /// Makes this device's context current on the calling thread until the
+    /// guard drops (restoring whatever the engine had current).
+    pub fn bind(&self) -> Result<CtxGuard> {
+        // SAFETY: ctx is a retained primary context.
+        check(unsafe { sys::cuCtxPushCurrent_v2(self.ctx) }, "cuCtxPushCurrent")?;
+        Ok(CtxGuard)
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: balanced with the retain in `open`.
+        unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.dev) };
+    }
+}
+
+/// Pops the context pushed by [`Device::bind`].
+pub struct CtxGuard;
+
+impl Drop for CtxGuard {
+    fn drop(&mut self) {
+        let mut old: CUcontext = std::ptr::null_mut();
+        // SAFETY: balanced with the push in `bind`.
+        unsafe { sys::cuCtxPopCurrent_v2(&mut old) };
+    }
+}
+
+/// Device memory, freed on drop.
+pub struct DeviceBuffer {
+    pub ptr: CUdeviceptr,
+    pub bytes: usize,
+}
+
+impl DeviceBuffer {
+    /// `bytes` of device memory (the device's context must be current).
+    pub fn alloc(bytes: usize, what: &str) -> Result<DeviceBuffer> {
+        let mut ptr = 0;
+        // SAFETY: out-pointer is a local.
+        check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) }, &format!("cuMemAlloc({bytes} bytes, {what})"))?;
+        Ok(DeviceBuffer { ptr, bytes })
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemAlloc; freeing needs no current context
+        // for allocations made in a primary context that is still retained.
+        unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+/// Pinned, device-mapped, portable host memory (not write-combined, so the
+/// CPU reads it at full speed), freed on drop.
+pub struct PinnedBuffer {
+    pub host: *mut u8,
+    pub dev: CUdeviceptr,
+    pub bytes: usize,
+}
+
+// SAFETY: plain memory owned by this value; regions are handed out disjointly.
+unsafe impl Send for PinnedBuffer {}
+unsafe impl Sync for PinnedBuffer {}
+
+impl PinnedBuffer {
+    pub fn alloc(bytes: usize) -> Result<PinnedBuffer> {
+        let mut host: *mut c_void = std::ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: out-pointer is a local.
+        check(unsafe { sys::cuMemHostAlloc(&mut host, bytes.max(1), flags) }, &format!("cuMemHostAlloc({} MiB pinned)", bytes >> 20))
+            .map_err(|e| if e.status == KvswapStatus::DeviceError { Error::new(KvswapStatus::OutOfMemory, e.message) } else { e })?;
+        let mut dev = 0;
+        // SAFETY: host was returned by cuMemHostAlloc with DEVICEMAP.
+        if let Err(e) = check(unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) }, "cuMemHostGetDevicePointer") {
+            // SAFETY: freeing what we just allocated.
+            unsafe { sys::cuMemFreeHost(host) };
+            return Err(e);
+        }
+        Ok(PinnedBuffer { host: host as *mut u8, dev, bytes })
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc.
+        unsafe { sys::cuMemFreeHost(self.host as *mut c_void) };
+    }
+}
+
+/// A stream the library owns (non-blocking: it never syncs with the legacy
+/// default stream), destroyed on drop.
+pub struct OwnedStream(pub CUstream);
+
+// SAFETY: stream handles may be used from any thread.
+unsafe impl Send for OwnedStream {}
+unsafe impl Sync for OwnedStream {}
+
+impl OwnedStream {
+    pub fn new() -> Result<OwnedStream> {
+        let mut s: CUstream = std::ptr::null_mut();
+        // SAFETY: out-pointer is a local.
+        check(unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate")?;
+        Ok(OwnedStream(s))
+    }
+    pub fn sync(&self) -> Result<()> {
+        stream_sync(self.0)
+    }
+}
+
+impl Drop for OwnedStream {
+    fn drop(&mut self) {
+        // SAFETY: created by cuStreamCreate.
+        unsafe { sys::cuStreamDestroy_v2(self.0) };
+    }
+}
+
+pub fn stream_sync(s: CUstream) -> Result<()> {
+    // SAFETY: the caller passes a live stream handle.
+    check(unsafe { sys::cuStreamSynchronize(s) }, "cuStreamSynchronize")
+}
+
+/// Whether `s` is being captured into a CUDA graph.
+pub fn is_capturing(s: CUstream) -> Result<bool> {
+    let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: live stream handle; out-pointer is a local.
+    check(unsafe { sys::cuStreamIsCapturing(s, &mut st) }, "cuStreamIsCapturing")?;
+    Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+/// The context a stream belongs to.
+pub fn stream_context(s: CUstream) -> Result<CUcontext> {
+    let mut c: CUcontext = std::ptr::null_mut();
+    // SAFETY: the caller passes a stream handle; the driver validates it.
+    check(unsafe { sys::cuStreamGetCtx(s, &mut c) }, "cuStreamGetCtx")?;
+    Ok(c)
+}
+
+/// Where a pointer lives, as the driver sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PtrInfo {
+    /// CU_MEMORYTYPE_DEVICE (2) or CU_MEMORYTYPE_HOST (1), etc.
+    pub memory_type: u32,
+    pub device_ordinal: i32,
+    pub range_start: u64,
+    pub range_size: u64,
+}
+
+/// Pointer attributes, or None for memory the driver does not know
+/// (pageable host memory).
+pub fn pointer_info(p: u64) -> Result<Option<PtrInfo>> {
+    use sys::CUpointer_attribute::*;
+    let mut mem_type: u32 = 0;
+    let mut ordinal: i32 = -1;
+    let mut start: u64 = 0;
+    let mut size: usize = 0;
+    let mut attrs = [
+        CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+    ];
+    let mut data: [*mut c_void; 4] = [
+        &mut mem_type as *mut u32 as *mut c_void,
+        &mut ordinal as *mut i32 as *mut c_void,
+        &mut start as *mut u64 as *mut c_void,
+        &mut size as *mut usize as *mut c_void,
+    ];
+    // SAFETY: each data slot points to storage of the attribute's type.
+    let r = unsafe { sys::cuPointerGetAttributes(4, attrs.as_mut_ptr(), data.as_mut_ptr(), p) };
+    check(r, "cuPointerGetAttributes")?;
+    if mem_type == 0 {
+        return Ok(None);
+    }
+    Ok(Some(PtrInfo { memory_type: mem_type, device_ordinal: ordinal, range_start: start, range_size: size as u64 }))
+}
+
+/// An event the library owns, without timing (cheap to record).
+pub struct Event(pub sys::CUevent);
+
+// SAFETY: event handles may be used from any thread.
+unsafe impl Send for Event {}
+unsafe impl Sync for Event {}
+
+impl Event {
+    pub fn new(timing: bool) -> Result<Event> {
+        let mut e: sys::CUevent = std::ptr::null_mut();
+        let flags = if timing { 0 } else { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32 };
+        // SAFETY: out-pointer is a local.
+        check(unsafe { sys::cuEventCreate(&mut e, flags) }, "cuEventCreate")?;
+        Ok(Event(e))
+    }
+    pub fn record(&self, s: CUstream) -> Result<()> {
+        // SAFETY: live event and stream.
+        check(unsafe { sys::cuEventRecord(self.0, s) }, "cuEventRecord")
+    }
+    pub fn sync(&self) -> Result<()> {
+        // SAFETY: live event.
+        check(unsafe { sys::cuEventSynchronize(self.0) }, "cuEventSynchronize")
+    }
+    /// Milliseconds between two recorded timing events.
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        let mut ms = 0f32;
+        // SAFETY: both events live and recorded.
+        check(unsafe { sys::cuEventElapsedTime_v2(&mut ms, self.0, end.0) }, "cuEventElapsedTime")?;
+        Ok(ms)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created by cuEventCreate.
+        unsafe { sys::cuEventDestroy_v2(self.0) };
+    }
+}
+
+/// A loaded module and its kernels.
+pub struct Module(sys::CUmodule);
+
+// SAFETY: module and function handles may be used from any thread.
+unsafe impl Send for Module {}
+unsafe impl Sync for Module {}
+
+impl Module {
+    /// Loads a CUBIN image (the device's context must be current).
+    pub fn load(image: &[u8]) -> Result<Module> {
+        let mut m: sys::CUmodule = std::ptr::null_mut();
+        // SAFETY: image is a complete CUBIN produced by NVRTC.
+        check(unsafe { sys::cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) }, "cuModuleLoadData")?;
+        Ok(Module(m))
+    }
+    pub fn function(&self, name: &CStr) -> Result<Kernel> {
+        let mut f: CUfunction = std::ptr::null_mut();
+        // SAFETY: live module; name is NUL-terminated.
+        check(unsafe { sys::cuModuleGetFunction(&mut f, self.0, name.as_ptr()) }, &format!("cuModuleGetFunction({name:?})"))?;
+        Ok(Kernel(f))
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        // SAFETY: loaded by cuModuleLoadData.
+        unsafe { sys::cuModuleUnload(self.0) };
+    }
+}
+
+/// A kernel of a loaded module (valid while the module lives).
+#[derive(Clone, Copy)]
+pub struct Kernel(pub CUfunction);
+
+// SAFETY: function handles may be used from any thread.
+unsafe impl Send for Kernel {}
+unsafe impl Sync for Kernel {}
+
+impl Kernel {
+    /// Launches with the given parameters (pointers to each argument value).
+    ///
+    /// # Safety
+    /// `params` must match the kernel's parameter list in number, order and
+    /// layout, and every device address in them must be valid for the kernel.
+    pub unsafe fn launch(&self, grid: u32, block: u32, smem: u32, stream: CUstream, params: &mut [*mut c_void]) -> Result<()> {
+        // SAFETY: forwarded caller contract.
+        check(
+            unsafe { sys::cuLaunchKernel(self.0, grid, 1, 1, block, 1, 1, smem, stream, params.as_mut_ptr(), std::ptr::null_mut()) },
+            "cuLaunchKernel",
+        )
+    }
+}
+
+/// Asynchronous device -> host copy.
+///
+/// # Safety
+/// `dst` must be writable for `bytes` until the stream reaches the copy.
+pub unsafe fn copy_dtoh_async(dst: *mut u8, src: CUdeviceptr, bytes: usize, s: CUstream) -> Result<()> {
+    // SAFETY: forwarded caller contract.
+    check(unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, bytes, s) }, "cuMemcpyDtoHAsync")
+}
+
+/// Asynchronous host -> device copy.
+///
+/// # Safety
+/// `src` must stay readable for `bytes` until the stream reaches the copy.
+pub unsafe fn copy_htod_async(dst: CUdeviceptr, src: *const u8, bytes: usize, s: CUstream) -> Result<()> {
+    // SAFETY: forwarded caller contract.
+    check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, s) }, "cuMemcpyHtoDAsync")
+}
+
+/// Asynchronous fill of `n` 32-bit words.
+///
+/// # Safety
+/// `dst` must address `n` writable words of device memory.
+pub unsafe fn memset_d32_async(dst: CUdeviceptr, value: u32, n: usize, s: CUstream) -> Result<()> {
+    // SAFETY: forwarded caller contract.
+    check(unsafe { sys::cuMemsetD32Async(dst, value, n, s) }, "cuMemsetD32Async")
+}

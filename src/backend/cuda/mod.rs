@@ -1,0 +1,606 @@
+//! The CUDA backend: a pinned, device-mapped host tier (one pool per
+//! context), staging slots in device memory, and kernels (kernels/swap.cu)
+//! that take the residency decision on the GPU and gather every miss in one
+//! launch, reading the mapped host tier directly. With `KVSWAP_SYNC=0` a
+//! swap-in never waits for the host and can be captured in a CUDA graph.
+
+pub mod driver;
+pub mod nvrtc;
+
+use super::{Backend, BackendKind, LayerOps, StreamHandle};
+use crate::config::Config;
+use crate::error::{Error, KvswapStatus, Result};
+use crate::layer::{dedup_last, KvswapLayerStats, LayerPlan, StagingView};
+use driver::{CUstream, Device, DeviceBuffer, Event, Kernel, Module, OwnedStream, PinnedBuffer};
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// Ids per store launch (`KV_STORE_MAX` in kernels/swap.cu).
+const STORE_MAX: usize = 256;
+const ERR_OUT_OF_RANGE: u32 = 1;
+const ERR_NOT_STORED: u32 = 2;
+const ERR_VALIDATION: u32 = 3;
+
+/// Kernel-side view of a layer (`LayerDev` in kernels/swap.cu), passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct LayerDev {
+    chunk_slot: u64,
+    slot_chunk: u64,
+    lru: u64,
+    parity: u64,
+    stored: u64,
+    selected: u64,
+    miss_list: u64,
+    n_miss: u64,
+    stats: u64,
+    err: u64,
+    host_tier: u64,
+    staging: u64,
+    stride: u64,
+    chunk_bytes: u64,
+    cap: u32,
+    slots: u32,
+    identity: u32,
+    pad: u32,
+}
+
+/// `StoreIds` in kernels/swap.cu.
+#[repr(C)]
+struct StoreIds {
+    n: u32,
+    ids: [u32; STORE_MAX],
+    rows: [u32; STORE_MAX],
+}
+
+struct Kernels {
+    init: Kernel,
+    swap_in: Kernel,
+    gather: Kernel,
+    store: Kernel,
+    validate: Kernel,
+}
+
+/// What every layer of a context shares. Field order is drop order: the
+/// module and stream go before the device's context is released.
+struct Shared {
+    kernels: Kernels,
+    _module: Module,
+    internal: OwnedStream,
+    device: Device,
+}
+
+pub struct CudaBackend {
+    shared: Arc<Shared>,
+}
+
+impl CudaBackend {
+    /// Opens device `cfg.device` and compiles the kernels for it (cached per
+    /// process and architecture).
+    pub fn new(cfg: &Config) -> Result<CudaBackend> {
+        let device = Device::open(cfg.device)?;
+        let _g = device.bind()?;
+        let cubin = nvrtc::compile_cached("swap.cu", crate::kernels::SWAP_CU, device.cc)?;
+        let module = Module::load(&cubin)?;
+        let kernels = Kernels {
+            init: module.function(c"kvswap_init_layer")?,
+            swap_in: module.function(c"kvswap_swap_in")?,
+            gather: module.function(c"kvswap_gather")?,
+            store: module.function(c"kvswap_store")?,
+            validate: module.function(c"kvswap_validate")?,
+        };
+        let internal = OwnedStream::new()?;
+        drop(_g);
+        Ok(CudaBackend { shared: Arc::new(Shared { kernels, _module: module, internal, device }) })
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.shared.device
+    }
+}
+
+impl Backend for CudaBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cuda
+    }
+
+    fn describe(&self) -> String {
+        let d = &self.shared.device;
+        format!(
+            "cuda device={} name=\"{}\" sm_{}{} sms={} memory_mib={}",
+            d.ordinal, d.name, d.cc.0, d.cc.1, d.sm_count, d.total_mem >> 20
+        )
+    }
+
+    fn create_layers(&self, plans: &[LayerPlan], cfg: &Config) -> Result<Vec<Box<dyn LayerOps>>> {
+        let sh = &self.shared;
+        let _g = sh.device.bind()?;
+        let total: u64 = self.host_bytes(plans);
+        let pool = Arc::new(PinnedBuffer::alloc(total as usize)?);
+        let mut layers: Vec<Box<dyn LayerOps>> = Vec::with_capacity(plans.len());
+        let mut offset = 0u64;
+        for p in plans {
+            layers.push(Box::new(CudaLayer::new(sh.clone(), p, cfg, pool.clone(), offset)?));
+            offset += p.host_bytes();
+        }
+        sh.internal.sync()?;
+        Ok(layers)
+    }
+
+    fn sync_stream(&self, stream: StreamHandle) -> Result<()> {
+        if stream == 0 {
+            return Ok(());
+        }
+        let _g = self.shared.device.bind()?;
+        check_stream_device(&self.shared.device, stream as CUstream)?;
+        driver::stream_sync(stream as CUstream)
+    }
+}
+
+/// Refuses the legacy default stream and streams of other devices.
+fn check_stream_device(device: &Device, s: CUstream) -> Result<()> {
+    if s.is_null() || s as usize == 1 {
+        return Err(Error::invalid(
+            "stream is the legacy default stream (NULL): pass the engine's CUstream \
+             (CU_STREAM_PER_THREAD is accepted); kvswap never uses the legacy stream",
+        ));
+    }
+    let ctx = driver::stream_context(s)?;
+    if ctx != device.ctx {
+        return Err(Error::new(
+            KvswapStatus::WrongDevice,
+            format!("stream belongs to another CUDA context than device {}'s primary context", device.ordinal),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that `[ptr, ptr + bytes)` is device memory of `device` (or pinned
+/// host memory the device can address).
+fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &str) -> Result<(u64, u64)> {
+    let info = driver::pointer_info(ptr)?.ok_or_else(|| {
+        Error::invalid(format!("{what} ({ptr:#x}) is not CUDA memory: on the CUDA backend it must be a device pointer"))
+    })?;
+    const HOST: u32 = 1;
+    if info.memory_type != HOST && info.device_ordinal != device.ordinal {
+        return Err(Error::new(
+            KvswapStatus::WrongDevice,
+            format!("{what} ({ptr:#x}) is memory of device {}, but this context is bound to device {}", info.device_ordinal, device.ordinal),
+        ));
+    }
+    if ptr + bytes > info.range_start + info.range_size {
+        return Err(Error::out_of_range(format!(
+            "{what} ({ptr:#x}, {bytes} bytes) runs past the end of its allocation ({} bytes from {:#x})",
+            info.range_size, info.range_start
+        )));
+    }
+    Ok((info.range_start, info.range_start + info.range_size))
+}
+
+/// Offsets (in 4-byte words) of a layer's metadata arrays in one allocation.
+struct MetaLayout {
+    chunk_slot: usize,
+    slot_chunk: usize,
+    lru: usize,
+    parity: usize,
+    stored: usize,
+    selected: usize,
+    miss_list: usize,
+    n_miss: usize,
+    err: usize,
+    stats: usize,
+    words: usize,
+}
+
+impl MetaLayout {
+    fn new(cap: usize, slots: usize) -> MetaLayout {
+        let chunk_slot = 0;
+        let slot_chunk = chunk_slot + cap;
+        let lru = slot_chunk + slots;
+        let parity = lru + 2 * slots;
+        let stored = parity + 1;
+        let selected = stored + cap.div_ceil(32);
+        let miss_list = selected + slots;
+        let n_miss = miss_list + 2 * slots;
+        let err = n_miss + 1;
+        let stats = (err + 4).next_multiple_of(2);
+        let words = stats + 16;
+        MetaLayout { chunk_slot, slot_chunk, lru, parity, stored, selected, miss_list, n_miss, err, stats, words }
+    }
+}
+
+struct CudaLayer {
+    sh: Arc<Shared>,
+    plan: LayerPlan,
+    dev: LayerDev,
+    meta: MetaLayout,
+    _meta_buf: DeviceBuffer,
+    _staging_buf: Option<DeviceBuffer>,
+    _pool: Arc<PinnedBuffer>,
+    /// Pinned scratch for reading counters and the error record back.
+    readback: PinnedBuffer,
+    /// Device scratch for the host-slice helpers (grown on demand).
+    scratch: Option<DeviceBuffer>,
+    strict: bool,
+    validate: bool,
+    /// Recorded after each call on its stream (not while capturing).
+    done: Event,
+    recorded: bool,
+    /// Last stream and pointer ranges that passed the device checks.
+    checked_stream: usize,
+    checked_ranges: Vec<(u64, u64)>,
+}
+
+// SAFETY: all handles are driver objects usable from any thread with the
+// context bound (every method binds it); the context serialises access.
+unsafe impl Send for CudaLayer {}
+
+impl CudaLayer {
+    fn new(sh: Arc<Shared>, p: &LayerPlan, cfg: &Config, pool: Arc<PinnedBuffer>, offset: u64) -> Result<CudaLayer> {
+        let cap = p.compressed_cap as usize;
+        let slots = p.slots as usize;
+        let meta = MetaLayout::new(cap, slots);
+        let meta_buf = DeviceBuffer::alloc(meta.words * 4, "layer metadata")?;
+        let (staging_ptr, stride, staging_buf) = match p.staging {
+            Some((ptr, stride)) => {
+                check_device_range(&sh.device, ptr, stride * (slots as u64 - 1) + p.chunk_bytes as u64, &format!("layer {} staging", p.index))?;
+                (ptr, stride, None)
+            }
+            None => {
+                let b = DeviceBuffer::alloc(slots * p.chunk_bytes, "staging slots")?;
+                (b.ptr, p.chunk_bytes as u64, Some(b))
+            }
+        };
+        let w = |off: usize| meta_buf.ptr + 4 * off as u64;
+        let dev = LayerDev {
+            chunk_slot: w(meta.chunk_slot),
+            slot_chunk: w(meta.slot_chunk),
+            lru: w(meta.lru),
+            parity: w(meta.parity),
+            stored: w(meta.stored),
+            selected: w(meta.selected),
+            miss_list: w(meta.miss_list),
+            n_miss: w(meta.n_miss),
+            stats: w(meta.stats),
+            err: w(meta.err),
+            host_tier: pool.dev + offset,
+            staging: staging_ptr,
+            stride,
+            chunk_bytes: p.chunk_bytes as u64,
+            cap: p.compressed_cap,
+            slots: p.slots,
+            identity: (!p.swap) as u32,
+            pad: 0,
+        };
+        let readback_bytes = (4 * slots.max(cap.div_ceil(32)).max(64)).max(p.chunk_bytes);
+        let layer = CudaLayer {
+            readback: PinnedBuffer::alloc(readback_bytes)?,
+            done: Event::new(false)?,
+            sh,
+            plan: *p,
+            dev,
+            meta,
+            _meta_buf: meta_buf,
+            _staging_buf: staging_buf,
+            _pool: pool,
+            scratch: None,
+            strict: cfg.sync,
+            validate: cfg.validate,
+            recorded: false,
+            checked_stream: 0,
+            checked_ranges: Vec::new(),
+        };
+        let s = layer.sh.internal.0;
+        let mut d = layer.dev;
+        let grid = (cap.max(slots).div_ceil(256)).clamp(1, 1024) as u32;
+        // SAFETY: the single parameter matches kvswap_init_layer(LayerDev).
+        unsafe { layer.sh.kernels.init.launch(grid, 256, 0, s, &mut [&mut d as *mut LayerDev as *mut c_void])? };
+        if let Some(b) = &layer._staging_buf {
+            // Zero the library-owned staging so no slot holds garbage.
+            // SAFETY: b holds slots * chunk_bytes bytes, a multiple of 4 below.
+            unsafe { driver::memset_d32_async(b.ptr, 0, b.bytes / 4, s)? };
+        }
+        Ok(layer)
+    }
+
+    /// 16-byte vector copies are safe when every address and size is aligned.
+    fn vec_ok(&self, extra: &[u64]) -> bool {
+        let d = &self.dev;
+        [d.chunk_bytes, d.stride, d.staging, d.host_tier].iter().chain(extra).all(|v| v % 16 == 0)
+    }
+
+    fn stream(&mut self, stream: StreamHandle) -> Result<CUstream> {
+        let s = stream as CUstream;
+        if stream as usize != self.checked_stream {
+            check_stream_device(&self.sh.device, s)?;
+            self.checked_stream = stream as usize;
+        }
+        Ok(s)
+    }
+
+    fn check_range(&mut self, ptr: u64, bytes: u64, what: &str) -> Result<()> {
+        if self.checked_ranges.iter().any(|&(a, b)| ptr >= a && ptr + bytes <= b) {
+            return Ok(());
+        }
+        let r = check_device_range(&self.sh.device, ptr, bytes, what)?;
+        if self.checked_ranges.len() >= 8 {
+            self.checked_ranges.remove(0);
+        }
+        self.checked_ranges.push(r);
+        Ok(())
+    }
+
+    fn after_launch(&mut self, s: CUstream) -> Result<()> {
+        if driver::is_capturing(s)? {
+            self.recorded = false;
+        } else {
+            self.done.record(s)?;
+            self.recorded = true;
+        }
+        Ok(())
+    }
+
+    /// Waits for this layer's last recorded call.
+    fn wait(&mut self) -> Result<()> {
+        if self.recorded {
+            self.done.sync()?;
+        }
+        Ok(())
+    }
+
+    /// Copies `bytes` from device address `src` through the pinned readback
+    /// buffer (sized at creation for the largest read) and waits for it.
+    fn read_device(&mut self, src: u64, bytes: usize, s: CUstream) -> Result<Vec<u8>> {
+        assert!(bytes <= self.readback.bytes, "readback buffer too small");
+        // SAFETY: readback holds at least `bytes`; synced before reading.
+        unsafe { driver::copy_dtoh_async(self.readback.host, src, bytes, s)? };
+        driver::stream_sync(s)?;
+        // SAFETY: the copy completed.
+        Ok(unsafe { std::slice::from_raw_parts(self.readback.host, bytes) }.to_vec())
+    }
+
+    /// Reads `words` 32-bit words at word offset `off` of the metadata.
+    fn read_meta(&mut self, off: usize, words: usize, s: CUstream) -> Result<Vec<u32>> {
+        let b = self.read_device(self.dev.chunk_slot + 4 * off as u64, 4 * words, s)?;
+        Ok(b.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect())
+    }
+
+    /// Returns and clears the device error record (after `wait`).
+    fn take_error(&mut self, s: CUstream) -> Result<()> {
+        let e = self.read_meta(self.meta.err, 3, s)?;
+        if e[0] == 0 {
+            return Ok(());
+        }
+        // SAFETY: the err record is 4 words of this layer's metadata.
+        unsafe { driver::memset_d32_async(self.dev.err, 0, 4, s)? };
+        driver::stream_sync(s)?;
+        let (code, pos, id) = (e[0], e[1], e[2] as i32);
+        let layer = self.plan.index;
+        Err(match code {
+            ERR_OUT_OF_RANGE => Error::out_of_range(format!(
+                "layer {layer}: selected id {id} at position {pos} is outside 0..{} (compressed_cap)",
+                self.plan.compressed_cap
+            )),
+            ERR_NOT_STORED => Error::new(
+                KvswapStatus::NotStored,
+                format!("layer {layer}: selected chunk {id} at position {pos} was never stored"),
+            ),
+            ERR_VALIDATION => Error::new(
+                KvswapStatus::ValidationFailed,
+                format!("layer {layer}: the slot of chunk {id} (position {pos}) differs from its host copy"),
+            ),
+            c => Error::device(format!("layer {layer}: unknown device error code {c}")),
+        })
+    }
+
+    fn scratch(&mut self, bytes: usize) -> Result<u64> {
+        if self.scratch.as_ref().is_none_or(|b| b.bytes < bytes) {
+            self.scratch = Some(DeviceBuffer::alloc(bytes.next_power_of_two(), "host-slice scratch")?);
+        }
+        Ok(self.scratch.as_ref().unwrap().ptr)
+    }
+
+    /// Launches the store kernel for distinct `(id, row)` pairs.
+    fn launch_store(&mut self, pairs: &[(u32, u32)], src: u64, src_stride: u64, s: CUstream) -> Result<()> {
+        let vec = self.vec_ok(&[src, src_stride]) as u32;
+        let pieces = (self.plan.chunk_bytes as u64).div_ceil(2048);
+        for batch in pairs.chunks(STORE_MAX) {
+            let mut ids = StoreIds { n: batch.len() as u32, ids: [0; STORE_MAX], rows: [0; STORE_MAX] };
+            for (k, &(id, row)) in batch.iter().enumerate() {
+                ids.ids[k] = id;
+                ids.rows[k] = row;
+            }
+            let warps = batch.len() as u64 * pieces;
+            let grid = warps.div_ceil(8).clamp(1, self.sh.device.sm_count as u64 * 16) as u32;
+            let (mut d, mut src, mut stride, mut vec) = (self.dev, src, src_stride, vec);
+            let mut params = [
+                &mut d as *mut LayerDev as *mut c_void,
+                &mut src as *mut u64 as *mut c_void,
+                &mut stride as *mut u64 as *mut c_void,
+                &mut ids as *mut StoreIds as *mut c_void,
+                &mut vec as *mut u32 as *mut c_void,
+            ];
+            // SAFETY: parameters match kvswap_store(LayerDev, const u8*, u64, StoreIds, u32);
+            // src rows were range-checked by the caller.
+            unsafe { self.sh.kernels.store.launch(grid, 256, 0, s, &mut params)? };
+        }
+        Ok(())
+    }
+
+    /// Launches the residency kernel, the gather and (optionally) validation.
+    fn launch_swap(&mut self, indices: u64, window_len: u32, count: u32, strict: bool, s: CUstream) -> Result<()> {
+        let k = &self.sh.kernels;
+        let n = if self.dev.identity != 0 { count } else { count.max(self.dev.slots) };
+        let threads = n.next_multiple_of(32).clamp(64, 1024);
+        let (mut d, mut idx, mut win, mut cnt, mut st) = (self.dev, indices, window_len, count, strict as u32);
+        let mut params = [
+            &mut d as *mut LayerDev as *mut c_void,
+            &mut idx as *mut u64 as *mut c_void,
+            &mut win as *mut u32 as *mut c_void,
+            &mut cnt as *mut u32 as *mut c_void,
+            &mut st as *mut u32 as *mut c_void,
+        ];
+        // SAFETY: parameters match kvswap_swap_in(LayerDev, i32*, u32, u32, u32);
+        // indices were range-checked for window_len + count ints.
+        unsafe { k.swap_in.launch(1, threads, 0, s, &mut params)? };
+        if self.dev.identity == 0 && count > 0 {
+            let pieces = (self.plan.chunk_bytes as u64).div_ceil(2048);
+            let grid = (count as u64 * pieces).div_ceil(8).clamp(1, self.sh.device.sm_count as u64 * 16) as u32;
+            let mut vec = self.vec_ok(&[]) as u32;
+            let mut params = [&mut d as *mut LayerDev as *mut c_void, &mut vec as *mut u32 as *mut c_void];
+            // SAFETY: parameters match kvswap_gather(LayerDev, u32).
+            unsafe { k.gather.launch(grid, 256, 0, s, &mut params)? };
+        }
+        if self.validate && count > 0 {
+            let grid = (count as u64).div_ceil(8).clamp(1, self.sh.device.sm_count as u64 * 8) as u32;
+            let mut params = [
+                &mut d as *mut LayerDev as *mut c_void,
+                &mut idx as *mut u64 as *mut c_void,
+                &mut win as *mut u32 as *mut c_void,
+                &mut cnt as *mut u32 as *mut c_void,
+            ];
+            // SAFETY: parameters match kvswap_validate(LayerDev, const i32*, u32, u32).
+            unsafe { k.validate.launch(grid, 256, 0, s, &mut params)? };
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CudaLayer {
+    fn drop(&mut self) {
+        // Frees need the context only for bookkeeping; bind it so the
+        // engine's current context is untouched.
+        if let Ok(_g) = self.sh.device.bind() {
+            let _ = self.wait();
+            self.scratch = None;
+        }
+    }
+}
+
+impl LayerOps for CudaLayer {
+    unsafe fn store(&mut self, ids: &[u32], src: u64, src_stride: usize, stream: StreamHandle) -> Result<()> {
+        let _g = self.sh.device.bind()?;
+        let s = self.stream(stream)?;
+        let n = self.plan.chunk_bytes as u64;
+        self.check_range(src, (ids.len() as u64 - 1) * src_stride as u64 + n, "src")?;
+        let pairs = dedup_last(ids);
+        self.launch_store(&pairs, src, src_stride as u64, s)?;
+        self.after_launch(s)
+    }
+
+    unsafe fn swap_in(&mut self, indices: u64, window_len: u32, count: u32, stream: StreamHandle) -> Result<()> {
+        let _g = self.sh.device.bind()?;
+        let s = self.stream(stream)?;
+        self.check_range(indices, 4 * (window_len as u64 + count as u64), "indices")?;
+        let capturing = driver::is_capturing(s)?;
+        if self.strict && capturing {
+            return Err(Error::invalid(
+                "KVSWAP_SYNC=1 waits for the device and cannot be captured in a CUDA graph; use KVSWAP_SYNC=0",
+            ));
+        }
+        self.launch_swap(indices, window_len, count, self.strict, s)?;
+        self.after_launch(s)?;
+        if self.strict {
+            self.wait()?;
+            self.take_error(s)?;
+        }
+        Ok(())
+    }
+
+    fn stats(&mut self) -> Result<KvswapLayerStats> {
+        let _g = self.sh.device.bind()?;
+        self.wait()?;
+        let s = self.sh.internal.0;
+        self.take_error(s)?;
+        let w = self.read_meta(self.meta.stats, 16, s)?;
+        let c = |i: usize| w[2 * i] as u64 | (w[2 * i + 1] as u64) << 32;
+        let resident = self.residency_pairs(s)?.len() as u32;
+        Ok(KvswapLayerStats {
+            hits: c(0),
+            misses: c(1),
+            evictions: c(2),
+            stores: c(3),
+            refreshes: c(4),
+            h2d_bytes: c(5),
+            d2h_bytes: c(6),
+            swap_in_calls: c(7),
+            compressed_cap: self.plan.compressed_cap as u64,
+            chunk_bytes: self.plan.chunk_bytes as u64,
+            slots: self.plan.slots,
+            resident,
+            swap_enabled: self.plan.swap as u32,
+            reserved: 0,
+        })
+    }
+
+    fn sync(&mut self) -> Result<()> {
+        let _g = self.sh.device.bind()?;
+        self.wait()?;
+        let s = self.sh.internal.0;
+        self.take_error(s)
+    }
+
+    fn staging(&self) -> StagingView {
+        StagingView { ptr: self.dev.staging, stride: self.dev.stride, rows: self.plan.slots }
+    }
+
+    fn residency(&mut self) -> Result<Vec<(u32, u32)>> {
+        let _g = self.sh.device.bind()?;
+        self.wait()?;
+        let s = self.sh.internal.0;
+        self.residency_pairs(s)
+    }
+
+    fn read_slot(&mut self, slot: u32) -> Result<Vec<u8>> {
+        let _g = self.sh.device.bind()?;
+        self.wait()?;
+        let s = self.sh.internal.0;
+        let src = self.dev.staging + slot as u64 * self.dev.stride;
+        self.read_device(src, self.plan.chunk_bytes, s)
+    }
+
+    fn store_host(&mut self, ids: &[u32], rows: &[u8]) -> Result<()> {
+        let _g = self.sh.device.bind()?;
+        self.wait()?;
+        let s = self.sh.internal.0;
+        let dst = self.scratch(rows.len())?;
+        // SAFETY: scratch holds rows.len() bytes; synced before `rows` is released.
+        unsafe { driver::copy_htod_async(dst, rows.as_ptr(), rows.len(), s)? };
+        let pairs = dedup_last(ids);
+        self.launch_store(&pairs, dst, self.plan.chunk_bytes as u64, s)?;
+        driver::stream_sync(s)?;
+        self.recorded = false;
+        Ok(())
+    }
+
+    fn swap_in_host(&mut self, indices: &mut [i32], window_len: u32) -> Result<()> {
+        let _g = self.sh.device.bind()?;
+        self.wait()?;
+        let s = self.sh.internal.0;
+        let bytes = indices.len() * 4;
+        let count = (indices.len() - window_len as usize) as u32;
+        let dst = self.scratch(bytes)?;
+        // SAFETY: scratch holds `bytes`; every copy is synced before returning.
+        unsafe { driver::copy_htod_async(dst, indices.as_ptr() as *const u8, bytes, s)? };
+        self.launch_swap(dst, window_len, count, self.strict, s)?;
+        // SAFETY: as above.
+        unsafe { driver::copy_dtoh_async(indices.as_mut_ptr() as *mut u8, dst, bytes, s)? };
+        driver::stream_sync(s)?;
+        self.recorded = false;
+        if self.strict {
+            self.take_error(s)?;
+        }
+        Ok(())
+    }
+}
+
+impl CudaLayer {
+    fn residency_pairs(&mut self, s: CUstream) -> Result<Vec<(u32, u32)>> {
+        if self.dev.identity != 0 {
+            let bits = self.read_meta(self.meta.stored, (self.plan.compressed_cap as usize).div_ceil(32), s)?;
+            return Ok((0..self.plan.compressed_cap).filter(|&i| bits[(i / 32) as usize] >> (i % 32) & 1 == 1).map(|i| (i, i)).collect());
+        }
+        let chunks = self.read_meta(self.meta.slot_chunk, self.plan.slots as usize, s)?;
+        Ok(chunks.iter().enumerate().filter(|(_, &c)| c != u32::MAX).map(|(sl, &c)| (sl as u32, c)).collect())
+    }
+}

@@ -1,0 +1,110 @@
+//! Run-time compilation of `kernels/*.cu` with NVRTC, straight to a CUBIN for
+//! one GPU architecture, cached per process and architecture.
+
+use crate::error::{Error, KvswapStatus, Result};
+use cudarc::nvrtc::sys;
+use std::collections::HashMap;
+use std::ffi::{c_char, CString};
+use std::sync::{Arc, Mutex, OnceLock};
+
+fn nvrtc_check(r: sys::nvrtcResult, what: &str) -> Result<()> {
+    if r == sys::nvrtcResult::NVRTC_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::new(KvswapStatus::DeviceError, format!("{what} failed: {r:?}")))
+    }
+}
+
+/// Whether libnvrtc can be loaded.
+pub fn available() -> bool {
+    // SAFETY: only probes whether the library can be opened.
+    unsafe { sys::is_culib_present() }
+}
+
+/// NVRTC's (major, minor) version.
+pub fn version() -> Result<(i32, i32)> {
+    require()?;
+    let (mut a, mut b) = (0, 0);
+    // SAFETY: writes two ints.
+    nvrtc_check(unsafe { sys::nvrtcVersion(&mut a, &mut b) }, "nvrtcVersion")?;
+    Ok((a, b))
+}
+
+fn require() -> Result<()> {
+    if available() {
+        Ok(())
+    } else {
+        Err(Error::new(
+            KvswapStatus::NoDevice,
+            "NVRTC not found: libnvrtc.so.13 could not be loaded (install the CUDA 13 runtime compiler, \
+             e.g. `pip install nvidia-cuda-nvrtc==13.0.*`, and add its lib/ folder to LD_LIBRARY_PATH)",
+        ))
+    }
+}
+
+/// Compiles `source` for `sm_<major><minor>` and returns the CUBIN.
+pub fn compile(name: &str, source: &str, cc: (i32, i32)) -> Result<Vec<u8>> {
+    require()?;
+    let src = CString::new(source).map_err(|_| Error::invalid("kernel source contains NUL"))?;
+    let cname = CString::new(name).unwrap_or_default();
+    let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
+    // SAFETY: src and name outlive the program (destroyed below).
+    nvrtc_check(
+        unsafe { sys::nvrtcCreateProgram(&mut prog, src.as_ptr(), cname.as_ptr(), 0, std::ptr::null(), std::ptr::null()) },
+        "nvrtcCreateProgram",
+    )?;
+    let opts: Vec<CString> = [
+        format!("--gpu-architecture=sm_{}{}", cc.0, cc.1),
+        "--std=c++17".to_string(),
+        "--extra-device-vectorization".to_string(),
+        "-default-device".to_string(),
+    ]
+    .into_iter()
+    .map(|o| CString::new(o).unwrap())
+    .collect();
+    let ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();
+    // SAFETY: prog is live; option strings outlive the call.
+    let r = unsafe { sys::nvrtcCompileProgram(prog, ptrs.len() as i32, ptrs.as_ptr()) };
+    let result = if r != sys::nvrtcResult::NVRTC_SUCCESS {
+        Err(Error::new(KvswapStatus::DeviceError, format!("NVRTC could not compile {name} for sm_{}{}: {r:?}\n{}", cc.0, cc.1, log(prog))))
+    } else {
+        let mut size = 0usize;
+        // SAFETY: prog compiled successfully.
+        nvrtc_check(unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }, "nvrtcGetCUBINSize").and_then(|_| {
+            let mut cubin = vec![0u8; size];
+            // SAFETY: cubin holds `size` bytes.
+            nvrtc_check(unsafe { sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char) }, "nvrtcGetCUBIN")?;
+            Ok(cubin)
+        })
+    };
+    // SAFETY: destroys the program created above.
+    unsafe { sys::nvrtcDestroyProgram(&mut prog) };
+    result
+}
+
+fn log(prog: sys::nvrtcProgram) -> String {
+    let mut size = 0usize;
+    // SAFETY: prog is live.
+    if unsafe { sys::nvrtcGetProgramLogSize(prog, &mut size) } != sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+        return String::new();
+    }
+    let mut buf = vec![0u8; size];
+    // SAFETY: buf holds `size` bytes.
+    unsafe { sys::nvrtcGetProgramLog(prog, buf.as_mut_ptr() as *mut c_char) };
+    String::from_utf8_lossy(&buf).trim_end_matches('\0').to_string()
+}
+
+/// `compile`, cached per (kernel file, architecture) for the process.
+pub fn compile_cached(name: &str, source: &str, cc: (i32, i32)) -> Result<Arc<Vec<u8>>> {
+    static CACHE: OnceLock<Mutex<HashMap<(String, i32, i32), Arc<Vec<u8>>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    let key = (name.to_string(), cc.0, cc.1);
+    if let Some(c) = cache.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        return Ok(c.clone());
+    }
+    let t = std::time::Instant::now();
+    let cubin = Arc::new(compile(name, source, cc)?);
+    log::debug!("kvswap: compiled {name} for sm_{}{} in {:.0} ms", cc.0, cc.1, t.elapsed().as_secs_f64() * 1e3);
+    cache.lock().unwrap_or_else(|p| p.into_inner()).insert(key, cubin.clone());
+    Ok(cubin)
+}

@@ -1,0 +1,191 @@
+//! Runs the built `kvswap` binary the way a newcomer does and checks what it
+//! prints, its exit codes and the files it writes.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// Runs `kvswap ARGS` with library logs off and returns (exit code, stdout, stderr).
+fn kvswap(args: &[&str]) -> (i32, String, String) {
+    let out: Output =
+        Command::new(env!("CARGO_BIN_EXE_kvswap")).args(args).env_remove("KVSWAP_LOG").output().expect("run kvswap");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A fresh scratch directory for this test process.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvswap-cli-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+/// The number after `label` in `text`, e.g. `number_after(s, "hit rate:")`.
+fn number_after(text: &str, label: &str) -> f64 {
+    let rest = &text[text.find(label).unwrap_or_else(|| panic!("{label:?} not in:\n{text}")) + label.len()..];
+    let num: String = rest
+        .trim_start()
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ',' || *c == '-')
+        .filter(|c| *c != ',')
+        .collect();
+    num.parse().unwrap_or_else(|_| panic!("no number after {label:?} in:\n{text}"))
+}
+
+#[test]
+fn plan_1m_reproduces_the_reference_figures() {
+    let (code, out, err) = kvswap(&["plan", "--context", "1M"]);
+    assert_eq!(code, 0, "{err}");
+    for needle in [
+        "context 1,048,576 tokens (1M)",
+        "262,144", // ratio-4 compressed_cap
+        "8,192",   // ratio-128 compressed_cap
+        "536.87",  // 537 MB pinned per ratio-4 layer
+        "16.78",   // 17 MB per ratio-128 layer
+        "suggested KVSWAP_PINNED_MIB=16384",
+        "GPU KV 10.7 GB without swap vs 26.2 MB with swap (512 slots per layer)",
+        "indexer keys 5.6 GB",
+        "scorer weights 0.5 GB",
+        "net GPU saving 4.6 GB",
+        "counting the ratio-4 layers only as the reference table does (20 layers)",
+    ] {
+        assert!(out.contains(needle), "missing {needle:?} in:\n{out}");
+    }
+    // ~11 GB pinned (DESIGN), in decimal GB.
+    let gb = number_after(&out, "MB =");
+    assert!((11.0..11.2).contains(&gb), "pinned {gb} GB");
+}
+
+#[test]
+fn plan_small_contexts_suggest_the_design_cap() {
+    let (code, out, _) = kvswap(&["plan", "--context", "8K"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("suggested KVSWAP_PINNED_MIB=256"), "{out}");
+    assert!(out.contains("2,048") && out.contains("4.19") && out.contains("0.13"), "{out}");
+    let mb = number_after(&out, "pinned host tier, all layers:");
+    assert!((86.0..88.0).contains(&mb), "~87 MB pinned, got {mb}");
+    // The ratio-128 layers (cap 64 <= 512 slots) keep swap off but count as pinned.
+    assert!(out.contains("(20 of 41 layers swap)"), "{out}");
+
+    let (code, out, _) = kvswap(&["plan", "--context", "256K"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("suggested KVSWAP_PINNED_MIB=4096"), "{out}");
+    assert!(out.contains("= 2.77 GB"), "{out}");
+}
+
+#[test]
+fn plan_json_and_model_file() {
+    let (code, out, _) = kvswap(&["plan", "--context", "256K", "--json"]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("valid JSON");
+    assert_eq!(v["suggested_pinned_mib"], 4096);
+    assert_eq!(v["classes"][0]["compressed_cap"], 65536);
+    assert_eq!(v["classes"][1]["compressed_cap"], 2048);
+
+    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/integrations/models/reference.toml");
+    let (code, out, _) = kvswap(&["plan", "--model", model, "--context", "1M", "--dtype", "bf16", "--json"]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("valid JSON");
+    assert_eq!(v["classes"][0]["chunk_bytes"], 1024, "--dtype overrides the file");
+    assert_eq!(v["pinned_bytes_total"], (20 * 262_144 + 21 * 8_192) * 1024u64);
+}
+
+#[test]
+fn bad_input_exits_2_naming_flag_and_value() {
+    for (args, needles) in [
+        (&["plan", "--layers", "20x0"][..], &["--layers", "20x0", "ratio"][..]),
+        (&["plan", "--layers", "20-4"], &["--layers", "20-4"]),
+        (&["plan", "--dtype", "int4"], &["--dtype", "int4"]),
+        (&["plan", "--context", "0"], &["--context", "'0'"]),
+        (&["plan", "--no-such-flag"], &["--no-such-flag"]),
+        (&["demo", "--gpu-chunks", "256"], &["--gpu-chunks", "256", "--topk=512"]),
+        (&["demo", "--locality", "1.5"], &["--locality", "1.5"]),
+        (&["demo", "--sweep-chunks", "128,512"], &["--sweep-chunks", "128"]),
+    ] {
+        let (code, out, err) = kvswap(args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(out.is_empty(), "{args:?} printed to stdout: {out}");
+        for n in needles {
+            assert!(err.contains(n), "{args:?}: {n:?} not in {err}");
+        }
+    }
+    let dir = scratch("bad-model");
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "[[layers]]\ncount = 20\nratio = 0\n").unwrap();
+    let (code, _, err) = kvswap(&["plan", "--model", bad.to_str().unwrap()]);
+    assert_eq!(code, 2);
+    assert!(err.contains("layers[0].ratio") && err.contains("\"0\""), "{err}");
+}
+
+#[test]
+fn demo_runs_and_reports_hit_rate_and_bytes() {
+    let (code, out, err) = kvswap(&["demo", "--steps", "200", "--context", "64K", "--backend", "cpu"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("cpu backend"), "{out}");
+    assert!(out.contains("65,536 tokens (64K) = 16,384 chunks per layer"), "{out}");
+    let hit = number_after(&out, "hit rate:");
+    assert!(hit > 50.0 && hit < 100.0, "hit rate {hit}%");
+    let h2d = number_after(&out, "h2d");
+    assert!(h2d > 0.0, "{out}");
+    // 200 tokens at ratio 4 = 50 new chunks x 4 layers x 2,048 B over 200 steps.
+    assert_eq!(number_after(&out, "d2h"), 2048.0, "{out}");
+    assert!(number_after(&out, "throughput:") > 0.0);
+    assert!(number_after(&out, "p99") >= number_after(&out, "p50"));
+    assert!(out.contains("with swap 5.24 MB (5.00 MiB)"), "4 x (128 + 512) x 2 KB: {out}");
+    assert!(!err.contains('\u{1b}'), "no progress bar when stderr is not a terminal");
+}
+
+#[test]
+fn demo_sweep_writes_table_svg_and_json() {
+    let dir = scratch("sweep");
+    let svg = dir.join("sweep.svg");
+    let json = dir.join("sweep.json");
+    let (code, out, err) = kvswap(&[
+        "demo",
+        "--sweep",
+        "--steps",
+        "100",
+        "--context",
+        "32K",
+        "--sweep-chunks",
+        "512,1024",
+        "--svg",
+        svg.to_str().unwrap(),
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("gpu_chunks") && out.contains("hit rate") && out.contains("steps/s"), "{out}");
+    let rows: Vec<&str> =
+        out.lines().filter(|l| l.trim_start().starts_with("512 ") || l.trim_start().starts_with("1024 ")).collect();
+    assert_eq!(rows.len(), 2, "{out}");
+    assert!(rows[0].contains("5.00") && rows[1].contains("9.00"), "GPU MiB with swap: {out}");
+
+    let text = std::fs::read_to_string(&svg).expect("svg written");
+    assert!(text.starts_with("<svg"), "{}", &text[..80.min(text.len())]);
+    assert!(text.trim_end().ends_with("</svg>"));
+    assert!(text.contains("hit rate") && text.contains("steps/s") && text.contains("gpu_chunks"));
+    assert_eq!(text.matches("<polyline").count(), 3);
+
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let results = v["results"].as_array().expect("results");
+    assert_eq!(results.len(), 2);
+    assert_eq!(results[1]["gpu_chunks"], 1024);
+    let (h0, h1) = (results[0]["hit_rate"].as_f64().unwrap(), results[1]["hit_rate"].as_f64().unwrap());
+    assert!(h1 >= h0, "more slots never hit less on the same sequence: {h0} {h1}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn demo_cuda_without_device_fails_clearly() {
+    let (code, out, err) = kvswap(&["demo", "--backend", "cuda", "--steps", "10", "--context", "8K"]);
+    if cfg!(feature = "cuda") && code == 0 {
+        assert!(out.contains("cuda backend"), "a CUDA build on a GPU machine runs on CUDA: {out}");
+        return;
+    }
+    assert_eq!(code, 1, "runtime error, not a usage error: {err}");
+    assert!(out.is_empty(), "{out}");
+    assert!(err.contains("NO_DEVICE") || err.contains("no CUDA"), "{err}");
+}

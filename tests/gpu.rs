@@ -1,0 +1,205 @@
+//! GPU tests: the CUDA backend against the CPU backend (the reference).
+//! They need a CUDA device and are run by `.ci/gpu-run.sh` on the GPU
+//! machine (`cargo test -- --ignored` there); CI has no GPU.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::{scaled, Rng};
+use kvswap::backend::cuda::driver::{self, Device, DeviceBuffer, OwnedStream};
+use kvswap::{BackendChoice, Config, Context, KvswapLayerSpec};
+
+fn spec(cap: u32, chunk: u32) -> KvswapLayerSpec {
+    KvswapLayerSpec { compressed_cap: cap as u64, chunk_bytes: chunk as u64, staging: std::ptr::null_mut(), staging_stride: 0 }
+}
+
+fn config(backend: BackendChoice, slots: u32, sync: bool) -> Config {
+    Config { enable: true, gpu_chunks: slots, index_topk: slots, backend, sync, ..Config::default() }
+}
+
+/// A random selection: mostly drawn from a drifting "hot" range, some
+/// uniform, some padding and duplicates.
+fn selection(rng: &mut Rng, cap: u32, count: usize, hot: u32) -> Vec<i32> {
+    (0..count)
+        .map(|_| match rng.below(20) {
+            0 => -1,
+            1..=4 => rng.below(cap as u64) as i32,
+            _ => ((hot + rng.below(cap as u64 / 4 + 1) as u32) % cap) as i32,
+        })
+        .collect()
+}
+
+/// 10,000 random steps: the CUDA slots and staged bytes equal the CPU
+/// backend's, in both the synchronous and the asynchronous mode.
+fn random_steps_match_cpu(sync: bool) {
+    let mut rng = Rng::fresh(if sync { "gpu random sync" } else { "gpu random async" });
+    let (slots, window) = (64u32, 5u32);
+    let caps = [1000u32, 3000, 48]; // the last one is fully resident
+    let chunks = [2048u32, 520, 64]; // 520: not 16-byte aligned
+    let specs: Vec<_> = caps.iter().zip(chunks).map(|(&c, b)| spec(c, b)).collect();
+    let cpu = Context::new(config(BackendChoice::Cpu, slots, sync), &specs).unwrap();
+    let gpu = Context::new(config(BackendChoice::Cuda, slots, sync), &specs).unwrap();
+    let mut hot = 0u32;
+    for step in 0..scaled(10_000) {
+        let layer = rng.below(3) as usize;
+        let (cap, chunk) = (caps[layer], chunks[layer] as usize);
+        if rng.below(3) == 0 {
+            let n = 1 + rng.below(8) as usize;
+            let ids: Vec<i32> = (0..n).map(|_| rng.below(cap as u64) as i32).collect();
+            let mut rows = vec![0u8; n * chunk];
+            rng.fill(&mut rows);
+            cpu.store_rows(layer, &ids, &rows).unwrap();
+            gpu.store_rows(layer, &ids, &rows).unwrap();
+        } else {
+            hot = hot.wrapping_add(rng.below(7) as u32);
+            let count = rng.below(slots as u64 + 1) as usize;
+            let mut a: Vec<i32> = (0..window as i32).map(|i| 1000 + i).collect();
+            a.extend(selection(&mut rng, cap, count, hot));
+            if rng.below(50) == 0 && count > 0 {
+                let pos = window as usize + rng.below(count as u64) as usize;
+                a[pos] = cap as i32 + 3; // out of range
+            }
+            let mut b = a.clone();
+            let (ra, rb) = (cpu.swap_in(layer, &mut a, window), gpu.swap_in(layer, &mut b, window));
+            let (ra, rb) = if sync { (ra, rb) } else { (ra.and(cpu.sync()), rb.and(gpu.sync())) };
+            match (&ra, &rb) {
+                (Ok(()), Ok(())) => {}
+                (Err(x), Err(y)) => assert_eq!((x.status, &x.message), (y.status, &y.message), "step {step}"),
+                _ => panic!("step {step}: cpu {ra:?} vs cuda {rb:?}"),
+            }
+            assert_eq!(a, b, "step {step} layer {layer}: indices");
+            for &p in a[window as usize..].iter().filter(|&&p| p >= 0) {
+                let slot = (p - window as i32) as u32;
+                assert_eq!(cpu.slot_bytes(layer, slot).unwrap(), gpu.slot_bytes(layer, slot).unwrap(), "step {step} slot {slot}");
+            }
+        }
+        if step % 97 == 0 {
+            assert_eq!(cpu.residency(layer).unwrap(), gpu.residency(layer).unwrap(), "step {step}: residency");
+            let (x, y) = (cpu.stats(layer).unwrap(), gpu.stats(layer).unwrap());
+            assert_eq!(x, y, "step {step}: stats");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_matches_cpu_sync() {
+    random_steps_match_cpu(true);
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_matches_cpu_async() {
+    random_steps_match_cpu(false);
+}
+
+/// A decode step over 21 layers (store the new chunk, swap in the global
+/// top-k) captured once in a CUDA graph and replayed 1,000 times with new
+/// selections written into the captured index buffer; equal to the CPU
+/// backend at every step.
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn graph_replay_21_layers_matches_cpu() {
+    let mut rng = Rng::fresh("gpu graph");
+    let (layers, cap, chunk, slots, window) = (21usize, 4096u32, 2048usize, 512u32, 128u32);
+    let specs: Vec<_> = (0..layers).map(|_| spec(cap, chunk as u32)).collect();
+    let cpu = Context::new(config(BackendChoice::Cpu, slots, false), &specs).unwrap();
+    let gpu = Context::new(config(BackendChoice::Cuda, slots, false), &specs).unwrap();
+    // Prefill every chunk of every layer on both.
+    let mut rows = vec![0u8; cap as usize * chunk];
+    let ids: Vec<i32> = (0..cap as i32).collect();
+    for l in 0..layers {
+        rng.fill(&mut rows);
+        cpu.store_rows(l, &ids, &rows).unwrap();
+        gpu.store_rows(l, &ids, &rows).unwrap();
+    }
+    let dev = Device::open(0).unwrap();
+    let _g = dev.bind().unwrap();
+    let stream = OwnedStream::new().unwrap();
+    let s = stream.0;
+    let n_idx = (window + slots) as usize;
+    // Per layer: an index buffer (captured) and a source chunk (captured).
+    let idx: Vec<DeviceBuffer> = (0..layers).map(|_| DeviceBuffer::alloc(4 * n_idx, "idx").unwrap()).collect();
+    let src: Vec<DeviceBuffer> = (0..layers).map(|_| DeviceBuffer::alloc(chunk, "src").unwrap()).collect();
+    let new_id = |l: usize| (cap - 1 - l as u32) as i32;
+    // Capture one step.
+    let graph = unsafe {
+        let mut g = std::ptr::null_mut();
+        driver::check(
+            cudarc::driver::sys::cuStreamBeginCapture_v2(s, cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL),
+            "begin capture",
+        )
+        .unwrap();
+        for l in 0..layers {
+            gpu.store_raw(l, &[new_id(l)], src[l].ptr, 0, s as u64).unwrap();
+            gpu.swap_in_raw(l, idx[l].ptr, window, slots, s as u64).unwrap();
+        }
+        driver::check(cudarc::driver::sys::cuStreamEndCapture(s, &mut g), "end capture").unwrap();
+        let mut exec = std::ptr::null_mut();
+        driver::check(cudarc::driver::sys::cuGraphInstantiateWithFlags(&mut exec, g, 0), "instantiate").unwrap();
+        exec
+    };
+    let mut hot = 0u32;
+    let mut prev: Vec<i32> = Vec::new();
+    for step in 0..scaled(1000) {
+        // New selection: ~90% of the previous one kept, the rest drifting.
+        hot = (hot + 3) % cap;
+        let mut sel: Vec<i32> = Vec::with_capacity(slots as usize);
+        let mut seen = std::collections::HashSet::new();
+        for &p in &prev {
+            if rng.below(10) != 0 && seen.insert(p) {
+                sel.push(p);
+            }
+        }
+        while sel.len() < slots as usize {
+            let id = ((hot + rng.below(2 * slots as u64) as u32) % cap) as i32;
+            if seen.insert(id) {
+                sel.push(id);
+            }
+        }
+        prev = sel.clone();
+        let mut host_idx = vec![-9i32; window as usize];
+        host_idx.extend(&sel);
+        let mut new_chunk = vec![0u8; chunk];
+        let mut expect = Vec::with_capacity(layers);
+        for l in 0..layers {
+            rng.fill(&mut new_chunk);
+            cpu.store(l, new_id(l), &new_chunk).unwrap();
+            let mut e = host_idx.clone();
+            cpu.swap_in(l, &mut e, window).unwrap();
+            expect.push(e);
+            unsafe {
+                driver::copy_htod_async(src[l].ptr, new_chunk.as_ptr(), chunk, s).unwrap();
+                driver::copy_htod_async(idx[l].ptr, host_idx.as_ptr() as *const u8, 4 * n_idx, s).unwrap();
+            }
+            stream.sync().unwrap(); // the host buffers are reused next layer
+        }
+        unsafe { driver::check(cudarc::driver::sys::cuGraphLaunch(graph, s), "graph launch").unwrap() };
+        stream.sync().unwrap();
+        gpu.sync_stream(s as u64).unwrap();
+        for l in 0..layers {
+            let mut got = vec![0i32; n_idx];
+            unsafe { driver::copy_dtoh_async(got.as_mut_ptr() as *mut u8, idx[l].ptr, 4 * n_idx, s).unwrap() };
+            stream.sync().unwrap();
+            assert_eq!(got, expect[l], "step {step} layer {l}: physical ids");
+            if step % 50 == 0 {
+                for &p in got[window as usize..].iter().step_by(37) {
+                    let slot = (p - window as i32) as u32;
+                    assert_eq!(cpu.slot_bytes(l, slot).unwrap(), gpu.slot_bytes(l, slot).unwrap(), "step {step} layer {l} slot {slot}");
+                }
+            }
+        }
+    }
+    for l in 0..layers {
+        assert_eq!(cpu.stats(l).unwrap(), gpu.stats(l).unwrap(), "layer {l}: stats after replays");
+    }
+}
+
+/// Explicit CUDA with a bad device ordinal is NO_DEVICE, never a crash.
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn bad_device_ordinal_is_no_device() {
+    let cfg = Config { device: 999, ..config(BackendChoice::Cuda, 512, true) };
+    let e = Context::new(cfg, &[spec(1024, 2048)]).err().expect("device 999 must be refused");
+    assert_eq!(e.status, kvswap::KvswapStatus::NoDevice, "{e}");
+}
