@@ -16,9 +16,11 @@ for line in sys.stdin:
         name = m["target"]["name"]
         if m["target"]["kind"] == ["lib"]:
             name = "unit"
-        shutil.copy(m["executable"], ".gpu/tests/" + name)
-        print("test binary:", name)
+        if name in ("gpu", "model", "threads", "unit"):
+            shutil.copy(m["executable"], ".gpu/tests/" + name)
+            print("test binary:", name)
 '
 make -s -C ffi-tests LIBDIR="$PWD/target/release" BUILD="$PWD/.gpu/ffi" build >/dev/null 2>&1 || echo "note: ffi-tests not built"
 cp -r ffi-tests/Makefile .gpu/ffi/ 2>/dev/null || true
+strip --strip-debug .gpu/kvswap .gpu/libkvswap.so .gpu/tests/* 2>/dev/null || true
 du -sh .gpu

@@ -48,7 +48,7 @@ struct LayerDev {
     u32* lru;             // [2*slots] two LRU orders, least recent first
     u32* parity;          // [1] which half of lru is current
     u32* stored;          // [ceil(cap/32)] chunk stored bits
-    u32* selected;        // [slots] per-call flags, zero between calls
+    u32* selected;        // [slots] per-call flags of fully resident layers, zero between calls
     u32* miss_list;       // [2*slots] (slot, chunk) of this call's misses
     u32* n_miss;          // [1] misses of the last call (read by the gather)
     u64* stats;           // [8] counters
@@ -153,26 +153,88 @@ extern "C" __global__ void kvswap_init_layer(LayerDev L) {
     }
 }
 
-// The residency decision of one swap_in_selected call. One block (up to 1024
-// threads); everything it touches stays in L2. `strict`: on any bad entry,
-// record the error and change nothing; otherwise bad entries become -1.
-extern "C" __global__ void __launch_bounds__(1024)
-kvswap_swap_in(LayerDev L, i32* indices, u32 window, u32 count, u32 strict) {
-    __shared__ u32 s_err_pos;
-    __shared__ u32 s_evictions;
-    i32* e = indices + window;
-    const u32 tid = threadIdx.x, nt = blockDim.x;
-    if (tid == 0) {
-        s_err_pos = KV_NONE;
-        s_evictions = 0;
-    }
-    __syncthreads();
+// Markers in the per-entry slot array of kvswap_swap_in (all >= KV_CLAIM).
+#define KV_BAD 0xFFFFFFFDu
+#define KV_FIRST_MISS 0xFFFFFFFEu
 
-    // Validate every entry before changing anything.
+// Lets the next kernel in the stream (the gather, launched with programmatic
+// stream serialization) start its blocks now; they wait in
+// griddepcontrol.wait until this grid has completed. A no-op before Hopper.
+__device__ __forceinline__ void allow_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_prerequisites() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// A fully resident layer (swap off): validate, count distinct hits, rewrite
+// id -> window + id. Uses the global per-slot flags (slots == cap can be large).
+__device__ void swap_in_identity(const LayerDev& L, i32* e, u32 window, u32 count) {
+    const u32 tid = threadIdx.x, nt = blockDim.x;
+    u32 hits = 0;
     for (u32 i = tid; i < count; i += nt) {
         const i32 id = e[i];
         if (id == -1) continue;
-        if (id < 0 || (u32)id >= L.cap || !is_stored(L, (u32)id)) atomicMin(&s_err_pos, i);
+        if (atomicExch(&L.selected[id], 1u) == 0u) ++hits;
+        e[i] = (i32)window + id;
+    }
+    hits = block_sum(hits);
+    for (u32 i = tid; i < count; i += nt) {
+        const i32 p = e[i];
+        if (p != -1) L.selected[p - (i32)window] = 0;
+    }
+    if (tid == 0) {
+        L.stats[KV_STAT_HITS] += hits;
+        L.stats[KV_STAT_CALLS] += 1;
+        *L.n_miss = 0;
+    }
+}
+
+// The residency decision of one swap_in_selected call. One block (up to 1024
+// threads). The entries, their slots, the LRU order and the selected flags
+// are staged in shared memory (dynamic: 4 * (3 * count + 2 * slots) bytes for
+// a swapping layer, 0 for a fully resident one), so each phase costs shared-
+// memory latency, not L2 latency. `strict`: on any bad entry, record the
+// error and change nothing; otherwise bad entries become -1.
+extern "C" __global__ void __launch_bounds__(1024)
+kvswap_swap_in(LayerDev L, i32* indices, u32 window, u32 count, u32 strict) {
+    extern __shared__ u32 smem[];
+    __shared__ u32 s_err_pos;
+    allow_dependents();
+    i32* e = indices + window;
+    const u32 tid = threadIdx.x, nt = blockDim.x;
+    const bool swap = !L.identity;
+    i32* sh_e = (i32*)smem;                 // [count] entries
+    u32* sh_slot = smem + count;            // [count] slot, KV_NONE (miss), KV_BAD, KV_FIRST_MISS
+    u32* sh_miss = sh_slot + count;         // [count] chunk of miss r
+    u32* sh_cur = sh_miss + count;          // [slots] current LRU order
+    u32* sh_sel = sh_cur + L.slots;         // [slots] selected by this call
+    if (tid == 0) s_err_pos = KV_NONE;
+    __syncthreads();
+
+    // Load and validate every entry before changing anything.
+    for (u32 i = tid; i < count; i += nt) {
+        const i32 id = e[i];
+        const bool bad = id != -1 && (id < 0 || (u32)id >= L.cap || !is_stored(L, (u32)id));
+        if (bad) atomicMin(&s_err_pos, i);
+        if (swap) {
+            sh_e[i] = id;
+            sh_slot[i] = bad ? KV_BAD : (id == -1 ? KV_NONE : L.chunk_slot[id]);
+        }
+    }
+    const u32 parity = *L.parity;
+    const u32* cur = L.lru + parity * L.slots;
+    u32* nxt = L.lru + (1u - parity) * L.slots;
+    if (swap) {
+        for (u32 p = tid; p < L.slots; p += nt) {
+            sh_cur[p] = cur[p];
+            sh_sel[p] = 0u;
+        }
     }
     __syncthreads();
     if (s_err_pos != KV_NONE) {
@@ -189,64 +251,47 @@ kvswap_swap_in(LayerDev L, i32* indices, u32 window, u32 count, u32 strict) {
         for (u32 i = tid; i < count; i += nt) {
             const i32 id = e[i];
             if (id == -1) continue;
-            if (id < 0 || (u32)id >= L.cap || !is_stored(L, (u32)id)) e[i] = -1;
+            if (id < 0 || (u32)id >= L.cap || !is_stored(L, (u32)id)) {
+                e[i] = -1;
+                if (swap) sh_e[i] = -1;
+            }
         }
         __syncthreads();
     }
-
-    if (L.identity) {
-        u32 hits = 0;
-        for (u32 i = tid; i < count; i += nt) {
-            const i32 id = e[i];
-            if (id == -1) continue;
-            if (atomicExch(&L.selected[id], 1u) == 0u) ++hits;
-            e[i] = (i32)window + id;
-        }
-        hits = block_sum(hits);
-        for (u32 i = tid; i < count; i += nt) {
-            const i32 p = e[i];
-            if (p != -1) L.selected[p - (i32)window] = 0;
-        }
-        if (tid == 0) {
-            L.stats[KV_STAT_HITS] += hits;
-            L.stats[KV_STAT_CALLS] += 1;
-            *L.n_miss = 0;
-        }
+    if (!swap) {
+        swap_in_identity(L, e, window, count);
         return;
     }
 
     // Hits mark their slot selected; misses claim their chunk with the lowest
     // position at which they appear (KV_CLAIM | position < KV_NONE).
     for (u32 i = tid; i < count; i += nt) {
-        const i32 id = e[i];
+        const i32 id = sh_e[i];
         if (id == -1) continue;
-        const u32 s = L.chunk_slot[id];
-        if (s < KV_CLAIM) L.selected[s] = 1u;
+        const u32 s = sh_slot[i];
+        if (s < KV_CLAIM) sh_sel[s] = 1u;
         else atomicMin(&L.chunk_slot[id], KV_CLAIM | i);
     }
     __syncthreads();
+    for (u32 i = tid; i < count; i += nt) {
+        const i32 id = sh_e[i];
+        if (id != -1 && sh_slot[i] == KV_NONE && L.chunk_slot[id] == (KV_CLAIM | i)) sh_slot[i] = KV_FIRST_MISS;
+    }
+    __syncthreads();
 
-    // Misses in order of first appearance: the chunk of miss r goes to
-    // miss_list[2r+1].
+    // Misses in order of first appearance.
     const u32 n_miss = block_compact(
-        count,
-        [&](u32 i) {
-            const i32 id = e[i];
-            return id != -1 && L.chunk_slot[id] == (KV_CLAIM | i);
-        },
-        [&](u32 i, u32 r) { L.miss_list[2 * r + 1] = (u32)e[i]; });
+        count, [&](u32 i) { return sh_slot[i] == KV_FIRST_MISS; }, [&](u32 i, u32 r) { sh_miss[r] = (u32)sh_e[i]; });
 
     // Victims: the first n_miss unselected slots in LRU order. Miss r takes
     // victim r; the victim becomes selected.
-    const u32* cur = L.lru + (*L.parity) * L.slots;
-    u32* nxt = L.lru + (1u - *L.parity) * L.slots;
     u32 evictions = 0;
     block_compact(
         L.slots,
-        [&](u32 p) { return L.selected[cur[p]] == 0u; },
+        [&](u32 p) { return sh_sel[sh_cur[p]] == 0u; },
         [&](u32 p, u32 r) {
             if (r >= n_miss) return;
-            const u32 s = cur[p], id = L.miss_list[2 * r + 1];
+            const u32 s = sh_cur[p], id = sh_miss[r];
             const u32 old = L.slot_chunk[s];
             if (old != KV_NONE) {
                 L.chunk_slot[old] = KV_NONE;
@@ -254,30 +299,28 @@ kvswap_swap_in(LayerDev L, i32* indices, u32 window, u32 count, u32 strict) {
             }
             L.slot_chunk[s] = id;
             L.chunk_slot[id] = s;
-            L.selected[s] = 1u;
+            sh_sel[s] = 1u;
             L.miss_list[2 * r] = s;
+            L.miss_list[2 * r + 1] = id;
         });
     evictions = block_sum(evictions);
 
-    // Rewrite every entry to its physical id.
+    // Rewrite every entry to its physical id (misses read their new slot).
     for (u32 i = tid; i < count; i += nt) {
-        const i32 id = e[i];
-        if (id != -1) e[i] = (i32)window + (i32)L.chunk_slot[id];
+        const i32 id = sh_e[i];
+        if (id == -1) continue;
+        const u32 s = sh_slot[i] < KV_CLAIM ? sh_slot[i] : L.chunk_slot[id];
+        e[i] = (i32)window + (i32)s;
     }
 
     // New LRU order: unselected slots keep their order, then the selected
     // slots in ascending slot index.
     const u32 kept = block_compact(
-        L.slots,
-        [&](u32 p) { return L.selected[cur[p]] == 0u; },
-        [&](u32 p, u32 r) { nxt[r] = cur[p]; });
+        L.slots, [&](u32 p) { return sh_sel[sh_cur[p]] == 0u; }, [&](u32 p, u32 r) { nxt[r] = sh_cur[p]; });
     const u32 n_selected = block_compact(
-        L.slots,
-        [&](u32 s) { return L.selected[s] != 0u; },
-        [&](u32 s, u32 r) { nxt[kept + r] = s; });
-    for (u32 s = tid; s < L.slots; s += nt) L.selected[s] = 0u;
+        L.slots, [&](u32 s) { return sh_sel[s] != 0u; }, [&](u32 s, u32 r) { nxt[kept + r] = s; });
     if (tid == 0) {
-        *L.parity = 1u - *L.parity;
+        *L.parity = 1u - parity;
         L.stats[KV_STAT_HITS] += n_selected - n_miss;
         L.stats[KV_STAT_MISSES] += n_miss;
         L.stats[KV_STAT_EVICTIONS] += evictions;
@@ -312,6 +355,7 @@ __device__ __forceinline__ void warp_copy(u8* dst, const u8* src, u64 bytes, boo
 // One launch gathers every miss of the last kvswap_swap_in from the mapped
 // host tier into its slot. Each warp copies KV_PIECE-byte pieces.
 extern "C" __global__ void kvswap_gather(LayerDev L, u32 vec) {
+    wait_prerequisites();  // launched early (programmatic dependent launch)
     const u32 n = *L.n_miss;
     const u64 pieces = (L.chunk_bytes + KV_PIECE - 1) / KV_PIECE;
     const u64 warp = (blockIdx.x * (u64)blockDim.x + threadIdx.x) >> 5;

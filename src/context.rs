@@ -10,11 +10,13 @@ use crate::error::{Error, Result};
 use crate::layer::{check_pinned_cap, KvswapLayerSpec, KvswapLayerStats, LayerPlan, StagingView};
 use std::sync::{Mutex, MutexGuard};
 
+/// Field order is drop order: the layers (and their device memory) go
+/// before the backend that owns the device context.
 pub struct Context {
+    layers: Vec<Mutex<Box<dyn LayerOps>>>,
     config: Config,
     backend: Box<dyn Backend>,
     plans: Vec<LayerPlan>,
-    layers: Vec<Mutex<Box<dyn LayerOps>>>,
 }
 
 impl Context {

@@ -66,6 +66,8 @@ pub struct Device {
     pub total_mem: usize,
     pub cc: (i32, i32),
     pub sm_count: i32,
+    /// Largest shared memory a block may opt in to, in bytes.
+    pub smem_optin: i32,
 }
 
 // SAFETY: CUcontext handles may be used from any thread (with the context
@@ -105,6 +107,7 @@ impl Device {
         }
         let cc = (attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?, attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?);
         let sm_count = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let smem_optin = attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let mut name_buf = [0 as std::ffi::c_char; 256];
         let mut total_mem = 0usize;
         let mut ctx: CUcontext = std::ptr::null_mut();
@@ -116,7 +119,7 @@ impl Device {
         }
         // SAFETY: NUL-terminated by the driver within 255 bytes.
         let name = unsafe { CStr::from_ptr(name_buf.as_ptr()) }.to_string_lossy().into_owned();
-        Ok(Device { ordinal, dev, ctx, name, total_mem, cc, sm_count })
+        Ok(Device { ordinal, dev, ctx, name, total_mem, cc, sm_count, smem_optin })
     }
 
     /// Makes this device's context current on the calling thread until the
@@ -372,6 +375,45 @@ unsafe impl Send for Kernel {}
 unsafe impl Sync for Kernel {}
 
 impl Kernel {
+    /// Raises the kernel's dynamic shared memory limit to `bytes`.
+    pub fn set_max_dynamic_smem(&self, bytes: i32) -> Result<()> {
+        // SAFETY: live function handle.
+        check(
+            unsafe { sys::cuFuncSetAttribute(self.0, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes) },
+            "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
+        )
+    }
+
+    /// Launches with programmatic stream serialization (Hopper and later):
+    /// the kernel's blocks may start before the previous kernel in the stream
+    /// has finished and must wait for it with `griddepcontrol.wait`.
+    ///
+    /// # Safety
+    /// As [`Kernel::launch`].
+    pub unsafe fn launch_dependent(&self, grid: u32, block: u32, smem: u32, stream: CUstream, params: &mut [*mut c_void]) -> Result<()> {
+        // SAFETY: a zeroed attribute is valid plain data; the id/value pair is set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: forwarded caller contract; cfg and attr outlive the call.
+        check(
+            unsafe { sys::cuLaunchKernelEx(&cfg, self.0, params.as_mut_ptr(), std::ptr::null_mut()) },
+            "cuLaunchKernelEx",
+        )
+    }
+
     /// Launches with the given parameters (pointers to each argument value).
     ///
     /// # Safety

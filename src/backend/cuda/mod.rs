@@ -65,6 +65,10 @@ struct Kernels {
 /// module and stream go before the device's context is released.
 struct Shared {
     kernels: Kernels,
+    /// Dynamic shared memory kvswap_swap_in may use per block.
+    swap_smem_max: u32,
+    /// Programmatic dependent launch of the gather (compute capability >= 9.0).
+    pdl: bool,
     _module: Module,
     internal: OwnedStream,
     device: Device,
@@ -89,9 +93,13 @@ impl CudaBackend {
             store: module.function(c"kvswap_store")?,
             validate: module.function(c"kvswap_validate")?,
         };
+        // Leave room for the kernel's static shared memory.
+        let swap_smem_max = (device.smem_optin - 1024).max(0) as u32;
+        kernels.swap_in.set_max_dynamic_smem(swap_smem_max as i32)?;
         let internal = OwnedStream::new()?;
+        let pdl = device.cc.0 >= 9;
         drop(_g);
-        Ok(CudaBackend { shared: Arc::new(Shared { kernels, _module: module, internal, device }) })
+        Ok(CudaBackend { shared: Arc::new(Shared { kernels, swap_smem_max, pdl, _module: module, internal, device }) })
     }
 
     pub fn device(&self) -> &Device {
@@ -135,6 +143,11 @@ impl Backend for CudaBackend {
         check_stream_device(&self.shared.device, stream as CUstream)?;
         driver::stream_sync(stream as CUstream)
     }
+}
+
+/// Dynamic shared memory of kvswap_swap_in for a swapping layer.
+fn swap_smem(count: u32, slots: u32) -> u32 {
+    4 * (3 * count + 2 * slots)
 }
 
 /// Refuses the legacy default stream and streams of other devices.
@@ -209,8 +222,9 @@ impl MetaLayout {
     }
 }
 
+/// Field order is drop order: every driver resource of the layer goes before
+/// `sh`, which may hold the last reference to the device's context.
 struct CudaLayer {
-    sh: Arc<Shared>,
     plan: LayerPlan,
     dev: LayerDev,
     meta: MetaLayout,
@@ -229,6 +243,7 @@ struct CudaLayer {
     /// Last stream and pointer ranges that passed the device checks.
     checked_stream: usize,
     checked_ranges: Vec<(u64, u64)>,
+    sh: Arc<Shared>,
 }
 
 // SAFETY: all handles are driver objects usable from any thread with the
@@ -239,6 +254,16 @@ impl CudaLayer {
     fn new(sh: Arc<Shared>, p: &LayerPlan, cfg: &Config, pool: Arc<PinnedBuffer>, offset: u64) -> Result<CudaLayer> {
         let cap = p.compressed_cap as usize;
         let slots = p.slots as usize;
+        if p.swap && swap_smem(slots as u32, slots as u32) > sh.swap_smem_max {
+            return Err(Error::new(
+                KvswapStatus::Unsupported,
+                format!(
+                    "gpu_chunks={slots} is above what the CUDA backend supports on this device ({}): \
+                     the residency kernel keeps 20 bytes per slot in shared memory",
+                    sh.swap_smem_max / 20
+                ),
+            ));
+        }
         let meta = MetaLayout::new(cap, slots);
         let meta_buf = DeviceBuffer::alloc(meta.words * 4, "layer metadata")?;
         let (staging_ptr, stride, staging_buf) = match p.staging {
@@ -440,16 +465,25 @@ impl CudaLayer {
             &mut cnt as *mut u32 as *mut c_void,
             &mut st as *mut u32 as *mut c_void,
         ];
+        let smem = if self.dev.identity != 0 { 0 } else { swap_smem(count, self.dev.slots) };
         // SAFETY: parameters match kvswap_swap_in(LayerDev, i32*, u32, u32, u32);
-        // indices were range-checked for window_len + count ints.
-        unsafe { k.swap_in.launch(1, threads, 0, s, &mut params)? };
+        // indices were range-checked for window_len + count ints; smem is
+        // within the limit checked at creation (count <= slots).
+        unsafe { k.swap_in.launch(1, threads, smem, s, &mut params)? };
         if self.dev.identity == 0 && count > 0 {
             let pieces = (self.plan.chunk_bytes as u64).div_ceil(2048);
             let grid = (count as u64 * pieces).div_ceil(8).clamp(1, self.sh.device.sm_count as u64 * 16) as u32;
             let mut vec = self.vec_ok(&[]) as u32;
             let mut params = [&mut d as *mut LayerDev as *mut c_void, &mut vec as *mut u32 as *mut c_void];
-            // SAFETY: parameters match kvswap_gather(LayerDev, u32).
-            unsafe { k.gather.launch(grid, 256, 0, s, &mut params)? };
+            // SAFETY: parameters match kvswap_gather(LayerDev, u32), which
+            // waits for the residency kernel (griddepcontrol.wait) first.
+            unsafe {
+                if self.sh.pdl {
+                    k.gather.launch_dependent(grid, 256, 0, s, &mut params)?
+                } else {
+                    k.gather.launch(grid, 256, 0, s, &mut params)?
+                }
+            };
         }
         if self.validate && count > 0 {
             let grid = (count as u64).div_ceil(8).clamp(1, self.sh.device.sm_count as u64 * 8) as u32;
