@@ -16,11 +16,12 @@ for line in sys.stdin:
         name = m["target"]["name"]
         if m["target"]["kind"] == ["lib"]:
             name = "unit"
-        if name in ("gpu", "model", "threads", "unit"):
+        if name in ("gpu", "model", "threads", "multi", "scorer_gpu"):
             shutil.copy(m["executable"], ".gpu/tests/" + name)
             print("test binary:", name)
 '
 make -s -C ffi-tests LIBDIR="$PWD/target/release" BUILD="$PWD/.gpu/ffi" build >/dev/null 2>&1 || echo "note: ffi-tests not built"
 cp -r ffi-tests/Makefile .gpu/ffi/ 2>/dev/null || true
+cp ../shared/bench/torch_fm_baseline.py .gpu/ 2>/dev/null || echo "note: ../shared/bench/torch_fm_baseline.py not found (scorer baseline not carried)"
 strip --strip-debug .gpu/kvswap .gpu/libkvswap.so .gpu/tests/* 2>/dev/null || true
 du -sh .gpu

@@ -13,8 +13,12 @@ step() { local name=$1; shift; echo "=== $name"; local t=$SECONDS
   if "$@" >"$OUT/$name.log" 2>&1; then echo "    ok ($((SECONDS-t)) s)"; else echo "    FAILED ($((SECONDS-t)) s)"; tail -40 "$OUT/$name.log"; fail=1; fi; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 T=.gpu/tests
+NGPU=$(nvidia-smi -L | wc -l)
+SKIP=(); [ "$NGPU" -ge 2 ] || SKIP=(--skip multi_gpu)
 if [[ $what == tests || $what == all ]]; then
-  step gpu-tests      $T/gpu --ignored --test-threads=1
+  step gpu-tests      $T/gpu --ignored --test-threads=1 "${SKIP[@]}"
+  step multi-cuda     env KVSWAP_TEST_BACKEND=cuda $T/multi
+  step scorer-gpu     $T/scorer_gpu --ignored --test-threads=1
   step model-cuda     env KVSWAP_TEST_BACKEND=cuda $T/model
   step threads-cuda   env KVSWAP_TEST_BACKEND=cuda $T/threads
   if [[ -x .gpu/ffi/test_abi ]]; then
@@ -25,12 +29,40 @@ fi
 if [[ $what == sanitize || $what == all ]]; then
   CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   for tool in memcheck racecheck; do
-    step "sanitizer-$tool" timeout ${SAN_TIMEOUT:-300} env KVSWAP_TEST_SCALE=${SAN_SCALE:-0.01} "$CS" --tool $tool --error-exitcode 1 $T/gpu --ignored --test-threads=1
+    step "sanitizer-$tool" timeout ${SAN_TIMEOUT:-300} env KVSWAP_TEST_SCALE=${SAN_SCALE:-0.01} "$CS" --tool $tool --error-exitcode 1 $T/gpu --ignored --test-threads=1 "${SKIP[@]}"
   done
+fi
+if [[ $what == fm || $what == all ]]; then
+  step bench-fm .gpu/kvswap bench --backend cuda --scorer --json "$OUT/bench-fm.json" ${BENCH_ARGS:-}
+  cat "$OUT/bench-fm.log"
+  if [[ -f .gpu/torch_fm_baseline.py ]]; then
+    SIZES=${FM_SIZES:-16384,65536,262144,1048576}
+    step torch-score python3 .gpu/torch_fm_baseline.py --scope score --sizes $SIZES --json "$OUT/torch-score.json"
+    step torch-full  python3 .gpu/torch_fm_baseline.py --scope full --sizes $SIZES --json "$OUT/torch-full.json"
+    python3 .ci/fm-compare.py "$OUT/bench-fm.json" "$OUT/torch-score.json" "$OUT/torch-full.json" | tee "$OUT/fm-compare.txt"
+  fi
+fi
+if [[ $what == profile ]]; then
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  step ncu "$NCU" --clock-control none --csv --metrics gpu__time_duration.sum --kernel-name "regex:fm_|kvswap_" \
+    --launch-count ${NCU_COUNT:-60} .gpu/kvswap bench --backend cuda --scorer --quick
+  python3 - "$OUT/ncu.log" <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+head = rows[0]; k = head.index("Kernel Name"); v = head.index("Metric Value")
+d = collections.defaultdict(list)
+for r in rows[1:]:
+    try: d[r[k]].append(float(r[v].replace(",", "")))
+    except ValueError: pass
+for name, xs in d.items():
+    xs.sort(); print(f"{name:30s} n={len(xs):3d} median {xs[len(xs)//2]/1e3:9.1f} us  min {xs[0]/1e3:9.1f} us")
+PY
 fi
 if [[ $what == bench || $what == all ]]; then
   step bench .gpu/kvswap bench --backend cuda --json "$OUT/bench.json" ${BENCH_ARGS:-}
   cat "$OUT/bench.log"
+  step bench-multi .gpu/kvswap bench --backend cuda --multi-gpu --json "$OUT/bench-multi.json"
+  cat "$OUT/bench-multi.log"
   step demo-cuda .gpu/kvswap demo --backend cuda --steps 500
   cat "$OUT/demo-cuda.log"
 fi

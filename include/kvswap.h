@@ -14,8 +14,23 @@
 #include <stdint.h>
 
 
+// Sequences per launch (`FM_MAX_BATCH` in kernels/scorer.cu).
+#define MAX_BATCH 64
+
 // Longest checkpoint path (including the terminating NUL) a `KvswapConfig` holds.
 #define KVSWAP_PATH_MAX 4096
+
+// Most chunks one scoring call accepts (4M = 2^22).
+#define FM_MAX_CHUNKS 4194304
+
+// Largest k of a top-k call.
+#define FM_MAX_TOPK 2048
+
+// Most sequences one batched call accepts.
+#define FM_MAX_SEQS 4096
+
+// Largest `dim` of a bounds call.
+#define FM_MAX_BOUNDS_DIM 65536
 
 // Status code returned by every `kvswap_*` / `fm_*` function of the C ABI.
 //
@@ -55,6 +70,11 @@ typedef enum KvswapStatus {
   // A Rust panic was caught at the C boundary; the handle may be unusable.
   KVSWAP_STATUS_PANIC = 99,
 } KvswapStatus;
+
+// Opaque handle to a loaded FlashMemory scorer. Create with
+// `fm_scorer_load`, free with `fm_scorer_free`. Scoring calls may run on
+// several threads at once with the same handle.
+typedef struct FmScorer FmScorer;
 
 // Opaque handle to a kvswap context. Create with `kvswap_create`, free with
 // `kvswap_destroy`. Different layers may be used from different threads at
@@ -171,6 +191,56 @@ typedef struct KvswapContextInfo {
 // any thread that calls into kvswap.
 typedef void (*KvswapLogCallback)(uint32_t level, const char *line, void *user_data);
 
+// What a loaded scorer holds, from `fm_scorer_info`.
+typedef struct FmScorerInfo {
+  // Scorer heads; the hidden input of a call holds n_scorers x hidden f32.
+  uint32_t n_scorers;
+  // Width of each scorer's hidden input.
+  uint32_t hidden;
+  // Heads per scorer.
+  uint32_t n_heads;
+  // Elements per key (and per head).
+  uint32_t head_dim;
+  // `KVSWAP_ENSEMBLE_MAX` or `KVSWAP_ENSEMBLE_MEAN`, as now in force.
+  KvswapEnsemble ensemble;
+  // -1 for the CPU backend, else the CUDA device ordinal.
+  int32_t device;
+  // Bytes of the weight tensors as stored in the checkpoint.
+  uint64_t weight_bytes;
+} FmScorerInfo;
+
+// The `dtype` of `FmKeys`: one of the `FM_KEYS_*` constants.
+typedef uint32_t FmKeyDtype;
+
+// Indexer keys: one row per chunk (per token for `fm_bounds_build`), each
+// of `head_dim` elements (`dim` for `fm_bounds_build`). On the CUDA backend
+// `data` and `scales` are device pointers; on the CPU, host pointers.
+typedef struct FmKeys {
+  // Row 0 of the keys, aligned to the element size.
+  const void *data;
+  // `FM_KEYS_FP8_E4M3` only: one f32 scale per row (key = fp8 x scale).
+  // Ignored for the other types (may be NULL).
+  const float *scales;
+  // Bytes from one row to the next: 0 means dense (row size); otherwise a
+  // multiple of the element size, at least the row size.
+  size_t row_stride_bytes;
+  // `FM_KEYS_F32`, `FM_KEYS_BF16` or `FM_KEYS_FP8_E4M3`.
+  FmKeyDtype dtype;
+} FmKeys;
+
+// One sequence of `fm_score_topk_batch`.
+typedef struct FmSeq {
+  // `n_scorers x hidden` f32 (see `FmScorerInfo`): scorer i's input starts
+  // at element `i * hidden`.
+  const float *hidden;
+  // The sequence's chunk keys.
+  struct FmKeys keys;
+  // Chunks to score, 1 to FM_MAX_CHUNKS.
+  size_t n_chunks;
+  // Room for k int32: the top-k chunk ids (-1 padded).
+  int32_t *out_indices;
+} FmSeq;
+
 // CUDA when a driver and a device are present, else the CPU backend.
 #define KVSWAP_BACKEND_AUTO 0
 
@@ -185,6 +255,16 @@ typedef void (*KvswapLogCallback)(uint32_t level, const char *line, void *user_d
 
 // Ensemble score is the mean over scorers.
 #define KVSWAP_ENSEMBLE_MEAN 1
+
+// Keys are f32.
+#define FM_KEYS_F32 0
+
+// Keys are bf16 (the upper half of an f32).
+#define FM_KEYS_BF16 1
+
+// Keys are OCP fp8 e4m3 (bias 7, no infinities, S.1111.111 = NaN); each
+// row is multiplied by its f32 scale from `FmKeys.scales`.
+#define FM_KEYS_FP8_E4M3 2
 
 #ifdef __cplusplus
 extern "C" {
@@ -289,6 +369,120 @@ enum KvswapStatus kvswap_set_log_callback(KvswapLogCallback callback, void *user
 
 // Sets the log level: 0 off, 1 error, 2 warn, 3 info (default), 4 debug, 5 trace.
 enum KvswapStatus kvswap_set_log_level(uint32_t level);
+
+// Loads a FlashMemory checkpoint (safetensors, format `flashmemory-v1`)
+// and writes a scorer handle to `*out`. `device` -1 scores on the CPU
+// (the reference); a CUDA ordinal >= 0 gives `KVSWAP_STATUS_NO_DEVICE` while
+// no CUDA scorer backend is available.
+// Errors: `KVSWAP_STATUS_IO` for a missing or unreadable file;
+// `KVSWAP_STATUS_BAD_CHECKPOINT` for a wrong format tag, a missing or
+// malformed metadata field, a missing or mis-shaped tensor, an unsupported
+// dtype (F32, F16 and BF16 are accepted) or a NaN/Inf weight, the message
+// naming the field or tensor, what was expected and what was found.
+enum KvswapStatus fm_scorer_load(const char *path, int32_t device, struct FmScorer **out);
+
+// Frees a scorer. NULL is a no-op. No other call may use `scorer` during
+// or after this one, and no device work using it may still be pending.
+void fm_scorer_free(struct FmScorer *scorer);
+
+// Writes the shape and settings of a loaded scorer to `*out`.
+enum KvswapStatus fm_scorer_info(const struct FmScorer *scorer, struct FmScorerInfo *out);
+
+// Waits for `stream` and returns the error an earlier call on it recorded
+// on the device, clearing it. With `KVSWAP_SYNC=0` on the CUDA backend a
+// call does not wait: a NaN or infinite hidden value, key or scale then
+// writes the top-k as -1 and is reported here (or by the next call made
+// with `KVSWAP_SYNC=1`). On the CPU backend errors are returned at once and
+// this returns KVSWAP_STATUS_OK.
+enum KvswapStatus fm_scorer_sync(const struct FmScorer *scorer, KvswapStream stream);
+
+// Overrides the checkpoint's ensemble: `KVSWAP_ENSEMBLE_MAX` or
+// `KVSWAP_ENSEMBLE_MEAN`. Applies to calls that start after it returns.
+enum KvswapStatus fm_scorer_set_ensemble(struct FmScorer *scorer, KvswapEnsemble ensemble);
+
+// Scores `n_chunks` chunks and writes the top-k chunk ids to
+// `out_indices[0 .. k)`: descending score, ties to the lower id, padded
+// with -1 when `n_chunks < k`.
+//
+// `hidden` holds `n_scorers x hidden` f32 (sizes from `fm_scorer_info`):
+// scorer i reads the hidden state taken at its own layer, starting at
+// element `i * hidden`. `keys` describes
+// one key of `head_dim` elements per chunk, shared by all scorers. For
+// scorer i: `q = Wq h_i` as `[n_heads][head_dim]`, `w = Ww h_i`,
+// `s_i(c) = sum over heads h of w[h] * relu(q[h] . key_c)`; the chunk score
+// is the max or mean of `s_i(c)` over the scorers (`fm_scorer_set_ensemble`).
+//
+// Limits: `n_chunks` from 1 to FM_MAX_CHUNKS (4,194,304), `k` from 1 to
+// FM_MAX_TOPK (2048); other values are KVSWAP_STATUS_INVALID_ARGUMENT (0)
+// or KVSWAP_STATUS_OUT_OF_RANGE (above the limit). A NaN or Inf in `hidden`, the keys or the scales is
+// `KVSWAP_STATUS_INVALID_ARGUMENT` naming the scorer/chunk and position.
+//
+// `out_indices` may point into the index buffer of
+// `kvswap_swap_in_selected`: with `out_indices = indices + window_len` and
+// `count = k`, that call then turns the selected logical ids into physical
+// ids (the -1 padding stays -1).
+//
+// On the CPU backend every pointer is a host pointer and `stream` is
+// ignored; on CUDA they are device pointers and the work is ordered on
+// `stream`.
+enum KvswapStatus fm_score_topk(const struct FmScorer *scorer,
+                                const float *hidden,
+                                const struct FmKeys *keys,
+                                size_t n_chunks,
+                                uint32_t k,
+                                int32_t *out_indices,
+                                KvswapStream stream);
+
+// Scores `n_seqs` sequences in one call, each as `fm_score_topk` does,
+// with the same `k` (1 to FM_MAX_TOPK) and `n_seqs` from 1 to FM_MAX_SEQS
+// (4096).
+// Every sequence is checked before any is scored, and on failure no
+// `out_indices` is written; the message names the sequence (`seqs[i]`).
+// The weights are read once for the whole batch (on CUDA the projections
+// of all sequences are one matrix product), so a batch is cheaper than
+// `n_seqs` single calls. `seqs` itself is host memory on every backend.
+enum KvswapStatus fm_score_topk_batch(const struct FmScorer *scorer,
+                                      size_t n_seqs,
+                                      const struct FmSeq *seqs,
+                                      uint32_t k,
+                                      KvswapStream stream);
+
+// The training-free scorer (Quest-style): scores chunk c by
+// `sum over d of max(query[d] * bounds_min[c][d], query[d] * bounds_max[c][d])`
+// (an upper bound of `query . key` over the chunk's keys) and writes the
+// top-k ids to `out_indices` by the rules of `fm_score_topk` (the same
+// limits on `n_chunks` and `k`).
+// `query` holds `dim` f32 (`dim` from 1 to FM_MAX_BOUNDS_DIM = 65536); `bounds_min` and `bounds_max` hold
+// `n_chunks x dim` f32 each (see `fm_bounds_build`). Bounds are f32 only:
+// a narrower type would have to be rounded outwards to stay a bound.
+// NaN/Inf values, or a minimum above its maximum, are
+// `KVSWAP_STATUS_INVALID_ARGUMENT`. `device` -1 runs on the CPU (host
+// pointers, `stream` ignored); a CUDA ordinal gives
+// `KVSWAP_STATUS_NO_DEVICE` while no CUDA scorer backend is available.
+enum KvswapStatus fm_bounds_topk(int32_t device,
+                                 const float *query,
+                                 const float *bounds_min,
+                                 const float *bounds_max,
+                                 uint32_t dim,
+                                 size_t n_chunks,
+                                 uint32_t k,
+                                 int32_t *out_indices,
+                                 KvswapStream stream);
+
+// Builds per-chunk key bounds on the CPU (host pointers) for
+// `fm_bounds_topk`: `keys` holds `n_tokens` rows of `dim` elements (f32,
+// bf16, or fp8 e4m3 with one scale per token row); chunk c covers tokens
+// `c * chunk_tokens` up to `chunk_tokens` of them (the last chunk may be
+// shorter). Writes the element-wise minimum to `out_min` and maximum to
+// `out_max`, each `ceil(n_tokens / chunk_tokens) x dim` f32. f32 and bf16
+// keys give exact bounds; fp8 x scale is rounded outwards to f32. NaN/Inf
+// keys are `KVSWAP_STATUS_INVALID_ARGUMENT` naming the token and element.
+enum KvswapStatus fm_bounds_build(const struct FmKeys *keys,
+                                  size_t n_tokens,
+                                  uint32_t dim,
+                                  uint32_t chunk_tokens,
+                                  float *out_min,
+                                  float *out_max);
 
 #ifdef __cplusplus
 }  // extern "C"

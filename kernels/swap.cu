@@ -244,7 +244,7 @@ kvswap_swap_in(LayerDev L, i32* indices, u32 window, u32 count, u32 strict) {
             record_error(L.err, code, s_err_pos, (u32)id);
         }
         if (strict) {
-            if (tid == 0) *L.n_miss = 0;
+            if (tid == 0) *L.n_miss = KV_NONE;  // refused: gather and validate skip
             return;  // uniform: s_err_pos is shared
         }
         __syncthreads();  // the first bad entry was read before it is overwritten
@@ -357,6 +357,7 @@ __device__ __forceinline__ void warp_copy(u8* dst, const u8* src, u64 bytes, boo
 extern "C" __global__ void kvswap_gather(LayerDev L, u32 vec) {
     wait_prerequisites();  // launched early (programmatic dependent launch)
     const u32 n = *L.n_miss;
+    if (n == KV_NONE) return;  // the call was refused
     const u64 pieces = (L.chunk_bytes + KV_PIECE - 1) / KV_PIECE;
     const u64 warp = (blockIdx.x * (u64)blockDim.x + threadIdx.x) >> 5;
     const u64 nwarps = (gridDim.x * (u64)blockDim.x) >> 5;
@@ -411,12 +412,13 @@ extern "C" __global__ void kvswap_store(LayerDev L, const u8* src, u64 src_strid
 
 // KVSWAP_VALIDATE=1: every selected slot of the last call equals its host copy.
 extern "C" __global__ void kvswap_validate(LayerDev L, const i32* indices, u32 window, u32 count) {
+    if (*L.n_miss == KV_NONE) return;  // the call was refused: nothing was staged
     const u64 warp = (blockIdx.x * (u64)blockDim.x + threadIdx.x) >> 5;
     const u64 nwarps = (gridDim.x * (u64)blockDim.x) >> 5;
     const u32 lane = threadIdx.x & 31u;
     for (u64 i = warp; i < count; i += nwarps) {
         const i32 p = indices[window + i];
-        if (p == -1) continue;
+        if (p < (i32)window || p >= (i32)(window + L.slots)) continue;
         const u32 s = (u32)(p - (i32)window);
         const u32 id = L.identity ? s : L.slot_chunk[s];
         const u8* a = L.staging + s * L.stride;

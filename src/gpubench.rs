@@ -77,6 +77,11 @@ fn time_ms(s: sys::CUstream, rounds: usize, mut body: impl FnMut() -> Result<()>
 
 struct Graph(sys::CUgraphExec, sys::CUgraph);
 
+// SAFETY: graph handles may be launched from any thread; each benchmark
+// thread only launches its own GPU's graphs.
+unsafe impl Send for Graph {}
+unsafe impl Sync for Graph {}
+
 impl Graph {
     /// Captures what `body` enqueues on `s` (global mode: any host wait or
     /// legacy-stream use inside it makes capture fail).
@@ -401,5 +406,479 @@ pub fn render(r: &Report) -> String {
     }
     s += "\nasync_us: device time per step from CUDA-graph replay (capture in global mode proves no host wait), \
           minus the graph that only restores index buffers; sync_us: wall time per call with KVSWAP_SYNC=1.\n";
+    s
+}
+
+/// Per-GPU figures of the multi-GPU benchmark.
+#[derive(Clone, Debug, Serialize)]
+pub struct GpuRow {
+    pub device: i32,
+    pub name: String,
+    /// Bulk pinned H2D copy, this GPU alone (GB/s).
+    pub bulk_alone_gbps: f64,
+    /// The same while every GPU copies at once (GB/s).
+    pub bulk_concurrent_gbps: f64,
+    /// kvswap async swap-in of 4,096 x 2 KB misses, this GPU alone (GB/s).
+    pub swap_alone_gbps: f64,
+    /// The same while every GPU swaps in at once (GB/s).
+    pub swap_concurrent_gbps: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct MultiReport {
+    pub gpus: usize,
+    pub rows: Vec<GpuRow>,
+}
+
+/// One GPU's workload for the multi-GPU benchmark: everything allocated up
+/// front so that the timed phases only copy.
+struct GpuLoad {
+    dev: Device,
+    stream: OwnedStream,
+    host: PinnedBuffer,
+    dst: DeviceBuffer,
+    ctx: Context,
+    full: Graph,
+    restore: Graph,
+    _bufs: Vec<DeviceBuffer>,
+    period: usize,
+}
+
+const MULTI_MISSES: usize = 4096;
+const MULTI_CHUNK: usize = 2048;
+
+impl GpuLoad {
+    fn new(ordinal: i32, bulk_bytes: usize) -> Result<GpuLoad> {
+        let dev = Device::open(ordinal)?;
+        let _g = dev.bind()?;
+        let stream = OwnedStream::new()?;
+        let s = stream.0;
+        let host = PinnedBuffer::alloc(bulk_bytes)?;
+        // SAFETY: host buffer of bulk_bytes.
+        unsafe { std::ptr::write_bytes(host.host, 0x33, bulk_bytes) };
+        let dst = DeviceBuffer::alloc(bulk_bytes, "bulk")?;
+        let (misses, slots) = (MULTI_MISSES, MULTI_MISSES);
+        let cap = 2 * slots + 2 * misses;
+        let period = cap / misses;
+        let ctx = context(ordinal, slots, false, &[spec(cap, MULTI_CHUNK)])?;
+        prefill(&ctx, 0, cap, MULTI_CHUNK, s)?;
+        let steps: Vec<Vec<i32>> = (0..period).map(|j| (0..misses).map(|i| ((j * misses + i) % cap) as i32).collect()).collect();
+        let n_idx = WINDOW + misses;
+        let pristine = index_buffers(&steps, WINDOW, s)?;
+        let work: Vec<DeviceBuffer> = (0..period).map(|_| DeviceBuffer::alloc(n_idx * 4, "work")).collect::<Result<_>>()?;
+        let restore = Graph::capture(s, || (0..period).try_for_each(|j| dtod(work[j].ptr, pristine[j].ptr, n_idx * 4, s)))?;
+        let full = Graph::capture(s, || {
+            (0..period).try_for_each(|j| {
+                dtod(work[j].ptr, pristine[j].ptr, n_idx * 4, s)?;
+                // SAFETY: device buffers of WINDOW + misses ints.
+                unsafe { ctx.swap_in_raw(0, work[j].ptr, WINDOW as u32, misses as u32, s as u64) }
+            })
+        })?;
+        let mut bufs = pristine;
+        bufs.extend(work);
+        drop(_g);
+        Ok(GpuLoad { dev, stream, host, dst, ctx, full, restore, _bufs: bufs, period })
+    }
+
+    fn bulk_gbps(&self, rounds: usize) -> Result<f64> {
+        let _g = self.dev.bind()?;
+        let s = self.stream.0;
+        // SAFETY: both buffers hold host.bytes.
+        let ms = time_ms(s, rounds, || unsafe { driver::copy_htod_async(self.dst.ptr, self.host.host, self.host.bytes, s) })?;
+        Ok(self.host.bytes as f64 / (ms * 1e-3) / 1e9)
+    }
+
+    fn swap_gbps(&self, rounds: usize) -> Result<f64> {
+        let _g = self.dev.bind()?;
+        let s = self.stream.0;
+        let a = time_ms(s, rounds, || self.full.launch(s))?;
+        let b = time_ms(s, rounds, || self.restore.launch(s))?;
+        let us = (a - b).max(1e-6) * 1e3 / self.period as f64;
+        let _ = &self.ctx;
+        Ok((MULTI_MISSES * MULTI_CHUNK) as f64 / (us * 1e-6) / 1e9)
+    }
+}
+
+/// Runs `f` on every GPU at once (one thread each), after a common start.
+fn concurrently(loads: &[GpuLoad], f: impl Fn(&GpuLoad) -> Result<f64> + Sync) -> Result<Vec<f64>> {
+    let barrier = std::sync::Barrier::new(loads.len());
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = loads
+            .iter()
+            .map(|l| {
+                let (f, barrier) = (&f, &barrier);
+                sc.spawn(move || {
+                    barrier.wait();
+                    f(l)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("benchmark thread panicked")).collect()
+    })
+}
+
+/// Swap-in and bulk H2D bandwidth per GPU, each GPU alone and all at once
+/// (shared PCIe switches and host memory are the question).
+pub fn run_multi(quick: bool) -> Result<MultiReport> {
+    let n = driver::device_count()? as usize;
+    let rounds = if quick { 3 } else { 7 };
+    let bulk = if quick { 256 << 20 } else { 1 << 30 };
+    let loads: Vec<GpuLoad> = (0..n as i32).map(|d| GpuLoad::new(d, bulk)).collect::<Result<_>>()?;
+    let mut rows = Vec::new();
+    for l in &loads {
+        rows.push(GpuRow {
+            device: l.dev.ordinal,
+            name: l.dev.name.clone(),
+            bulk_alone_gbps: l.bulk_gbps(rounds)?,
+            bulk_concurrent_gbps: 0.0,
+            swap_alone_gbps: l.swap_gbps(rounds)?,
+            swap_concurrent_gbps: 0.0,
+        });
+    }
+    let bulk_all = concurrently(&loads, |l| l.bulk_gbps(rounds))?;
+    let swap_all = concurrently(&loads, |l| l.swap_gbps(rounds))?;
+    for (i, r) in rows.iter_mut().enumerate() {
+        r.bulk_concurrent_gbps = bulk_all[i];
+        r.swap_concurrent_gbps = swap_all[i];
+    }
+    Ok(MultiReport { gpus: n, rows })
+}
+
+pub fn render_multi(r: &MultiReport) -> String {
+    let mut s = format!(
+        "# kvswap multi-GPU swap-in: {} GPU(s), one context and one thread per GPU; swap-in = {} misses x {} B, async (graph)\n",
+        r.gpus, MULTI_MISSES, MULTI_CHUNK
+    );
+    s += &format!("{:>6} {:<14} {:>14} {:>17} {:>14} {:>17}\n", "device", "name", "bulk_alone", "bulk_all_at_once", "swap_alone", "swap_all_at_once");
+    for g in &r.rows {
+        s += &format!(
+            "{:>6} {:<14} {:>10.1} GB/s {:>12.1} GB/s {:>9.1} GB/s {:>12.1} GB/s\n",
+            g.device, g.name.chars().take(14).collect::<String>(), g.bulk_alone_gbps, g.bulk_concurrent_gbps, g.swap_alone_gbps, g.swap_concurrent_gbps
+        );
+    }
+    let sum = |f: fn(&GpuRow) -> f64| r.rows.iter().map(f).sum::<f64>();
+    s += &format!(
+        "total, all at once: bulk {:.1} GB/s, swap-in {:.1} GB/s\n",
+        sum(|g| g.bulk_concurrent_gbps),
+        sum(|g| g.swap_concurrent_gbps)
+    );
+    s
+}
+
+// ------------------------------------------------------------------ scorer
+
+use crate::backend::cuda::scorer::CudaScorer;
+use crate::scorer::{write as fmwrite, Checkpoint, KeyDtype, KeysRef, Meta, ScorerBackend, SeqRef, WeightDtype};
+
+/// One scorer configuration: kvswap's time beside its memory floor.
+#[derive(Clone, Debug, Serialize)]
+pub struct FmRow {
+    pub scope: String,
+    pub keys: String,
+    pub chunks: usize,
+    pub k: usize,
+    pub kvswap_us: f64,
+    /// Bytes that must be read once (keys, plus weights in `full`).
+    pub bytes: u64,
+    /// bytes / measured device bandwidth (us).
+    pub floor_us: f64,
+    pub ratio_to_floor: f64,
+    /// Scoring arithmetic (2 * scorers * heads * head_dim per chunk) per second.
+    pub tflops: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct FmBatchRow {
+    pub seqs: usize,
+    pub chunks_per_seq: usize,
+    pub batch_us: f64,
+    pub per_seq_us: f64,
+    pub single_call_us: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct FmStepRow {
+    pub layers: usize,
+    pub chunks: usize,
+    pub k: usize,
+    pub hit_rate: f64,
+    pub scorer_us: f64,
+    pub step_us: f64,
+    pub overhead_us: f64,
+    pub ratio_to_scorer: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct FmReport {
+    pub device: String,
+    /// Device-to-device copy, bytes read + written per second (GB/s).
+    pub copy_gbps: f64,
+    pub scorers: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub hidden: usize,
+    pub weight_bytes: u64,
+    pub rows: Vec<FmRow>,
+    pub batch: Vec<FmBatchRow>,
+    pub step: Option<FmStepRow>,
+}
+
+/// Random finite bf16 bits (|x| in [2^-7, 2^4)) or fp8 e4m3 codes (never NaN).
+fn random_keys(dtype: KeyDtype, n: usize, dim: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    match dtype {
+        KeyDtype::Bf16 => (0..n * dim)
+            .flat_map(|_| {
+                let r = next();
+                let bits = ((r & 1) << 15) as u16 | (((120 + (r >> 1) % 11) as u16) << 7) | ((r >> 8) & 0x7f) as u16;
+                bits.to_le_bytes()
+            })
+            .collect(),
+        _ => (0..n * dim)
+            .map(|_| {
+                let c = (next() & 0xff) as u8;
+                if c & 0x7f == 0x7f { c & 0xf0 } else { c }
+            })
+            .collect(),
+    }
+}
+
+struct FmBench<'a> {
+    dev: &'a Device,
+    s: sys::CUstream,
+    scorer: CudaScorer,
+    meta: Meta,
+    rounds: usize,
+}
+
+impl FmBench<'_> {
+    fn upload(&self, bytes: &[u8], what: &str) -> Result<DeviceBuffer> {
+        let b = DeviceBuffer::alloc(bytes.len().max(16), what)?;
+        // SAFETY: b holds bytes.len(); synced before `bytes` is released.
+        unsafe { driver::copy_htod_async(b.ptr, bytes.as_ptr(), bytes.len(), self.s)? };
+        driver::stream_sync(self.s)?;
+        Ok(b)
+    }
+
+    /// Median us per call of `calls` calls replayed from one graph.
+    fn graph_us(&self, calls: usize, body: impl Fn() -> Result<()>) -> Result<f64> {
+        body()?; // warm-up, sizes the workspace outside capture
+        driver::stream_sync(self.s)?;
+        let g = Graph::capture(self.s, || (0..calls).try_for_each(|_| body()))?;
+        Ok(time_ms(self.s, self.rounds, || g.launch(self.s))? * 1e3 / calls as f64)
+    }
+
+    fn keys(&self, dtype: KeyDtype, n: usize) -> Result<(DeviceBuffer, DeviceBuffer)> {
+        let d = self.meta.head_dim as usize;
+        let keys = self.upload(&random_keys(dtype, n, d, 0x9e37 + n as u64), "keys")?;
+        let ones: Vec<u8> = (0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect();
+        let scales = self.upload(&ones, "scales")?;
+        Ok((keys, scales))
+    }
+}
+
+/// The FlashMemory scorer benchmark: `score` (q and w given) and `full`
+/// (with the projections) scopes, bf16 and fp8 keys, the batched form, and a
+/// whole decode step (scorer -> swap-in of 21 layers sharing the top-k).
+pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
+    let dev = Device::open(device)?;
+    let _g = dev.bind()?;
+    let stream = OwnedStream::new()?;
+    let s = stream.0;
+    let rounds = if quick { 3 } else { 9 };
+    // Device bandwidth: a large device-to-device copy (read + write).
+    let copy_bytes = 1usize << 31;
+    let (a, b) = (DeviceBuffer::alloc(copy_bytes, "copy a")?, DeviceBuffer::alloc(copy_bytes, "copy b")?);
+    let copy_ms = time_ms(s, rounds, || dtod(b.ptr, a.ptr, copy_bytes, s))?;
+    let copy_gbps = 2.0 * copy_bytes as f64 / (copy_ms * 1e-3) / 1e9;
+    drop((a, b));
+
+    let meta = Meta { n_scorers: 3, hidden: 4096, n_heads: 64, head_dim: 128, ensemble: crate::config::Ensemble::Max };
+    let tensors = fmwrite::random(&meta, WeightDtype::Bf16, 7)?;
+    let ckpt = Checkpoint::from_bytes(fmwrite::to_bytes(&meta, &tensors)?)?;
+    drop(tensors);
+    let scorer = CudaScorer::new(&ckpt, device, false)?;
+    let weight_bytes = scorer.weights().0;
+    let bench = FmBench { dev: &dev, s, scorer, meta: meta.clone(), rounds };
+    let (sc, h, d, hid) = (3usize, 64usize, 128usize, 4096usize);
+    let k = 512usize;
+    let e = crate::config::Ensemble::Max;
+    let hidden: Vec<u8> = (0..sc * hid).flat_map(|i| (((i * 7919) % 1000) as f32 / 500.0 - 1.0).to_le_bytes()).collect();
+    let hidden = bench.upload(&hidden, "hidden")?;
+    let qbits: Vec<u8> = random_keys(KeyDtype::Bf16, sc * h, d, 99);
+    let q = bench.upload(&qbits, "q")?;
+    let wvals: Vec<u8> = (0..sc * h).flat_map(|i| (((i * 37) % 100) as f32 / 50.0 - 1.0).to_le_bytes()).collect();
+    let w = bench.upload(&wvals, "w")?;
+    let out = DeviceBuffer::alloc(4 * k * 64, "out")?;
+    let sizes: &[usize] = if quick { &[262_144] } else { &[16_384, 65_536, 262_144, 1_048_576] };
+    let mut rows = Vec::new();
+    for &n in sizes {
+        for dtype in [KeyDtype::Bf16, KeyDtype::Fp8E4m3] {
+            let (keys, scales) = bench.keys(dtype, n)?;
+            let seq = SeqRef {
+                hidden: hidden.ptr,
+                keys: KeysRef { data: keys.ptr, scales: scales.ptr, row_stride: 0, dtype },
+                n_chunks: n,
+                out: out.ptr,
+            };
+            let key_bytes = (n * d * dtype.size() + if dtype == KeyDtype::Fp8E4m3 { 4 * n } else { 0 }) as u64;
+            for scope in ["score", "full"] {
+                let us = if scope == "score" {
+                    // SAFETY: device buffers of the documented sizes.
+                    bench.graph_us(20, || unsafe { bench.scorer.score_with_qw(&[seq], &[(q.ptr, w.ptr)], k, e, s as u64) })?
+                } else {
+                    bench.graph_us(20, || unsafe { bench.scorer.score_topk(&seq, k, e, s as u64) })?
+                };
+                let bytes = key_bytes + if scope == "full" { weight_bytes } else { 0 };
+                let floor = bytes as f64 / (copy_gbps * 1e9) * 1e6;
+                let flop = 2.0 * (sc * h * d) as f64 * n as f64;
+                rows.push(FmRow {
+                    scope: scope.into(),
+                    keys: dtype.name().into(),
+                    chunks: n,
+                    k,
+                    kvswap_us: us,
+                    bytes,
+                    floor_us: floor,
+                    ratio_to_floor: us / floor,
+                    tflops: flop / (us * 1e-6) / 1e12,
+                });
+            }
+        }
+    }
+    // Batched: B sequences of 32K chunks, one call, beside B single calls.
+    let mut batch = Vec::new();
+    let per = 32_768usize;
+    for bsz in [1usize, 8, 64] {
+        let (keys, scales) = bench.keys(KeyDtype::Bf16, per * bsz)?;
+        let seqs: Vec<SeqRef> = (0..bsz)
+            .map(|i| SeqRef {
+                hidden: hidden.ptr,
+                keys: KeysRef { data: keys.ptr + (i * per * d * 2) as u64, scales: scales.ptr, row_stride: 0, dtype: KeyDtype::Bf16 },
+                n_chunks: per,
+                out: out.ptr + (4 * k * i) as u64,
+            })
+            .collect();
+        // SAFETY: device buffers of the documented sizes.
+        let batch_us = bench.graph_us(5, || unsafe { bench.scorer.score_topk_batch(&seqs, k, e, s as u64) })?;
+        let single_us = bench.graph_us(5, || unsafe { bench.scorer.score_topk(&seqs[0], k, e, s as u64) })?;
+        batch.push(FmBatchRow { seqs: bsz, chunks_per_seq: per, batch_us, per_seq_us: batch_us / bsz as f64, single_call_us: single_us });
+    }
+    let step = Some(decode_step(&bench, &hidden, if quick { 65_536 } else { 262_144 }, k)?);
+    Ok(FmReport {
+        device: format!("{} (sm_{}{}, {} SMs)", dev.name, dev.cc.0, dev.cc.1, dev.sm_count),
+        copy_gbps,
+        scorers: sc,
+        heads: h,
+        head_dim: d,
+        hidden: hid,
+        weight_bytes,
+        rows,
+        batch,
+        step,
+    })
+}
+
+/// Scorer -> swap-in for 21 layers sharing the global top-k, over a slowly
+/// drifting hidden state; captured as one graph of `steps` decode steps.
+fn decode_step(bench: &FmBench, hidden0: &DeviceBuffer, chunks: usize, k: usize) -> Result<FmStepRow> {
+    let (s, layers, steps) = (bench.s, 21usize, 32usize);
+    let e = crate::config::Ensemble::Max;
+    let d = bench.meta.head_dim as usize;
+    let hid = (bench.meta.n_scorers * bench.meta.hidden) as usize;
+    // Hidden states drifting by ~2% per step.
+    let mut h = vec![0f32; hid];
+    // SAFETY: hidden0 holds hid f32; synced below.
+    unsafe { driver::copy_dtoh_async(h.as_mut_ptr() as *mut u8, hidden0.ptr, 4 * hid, s)? };
+    driver::stream_sync(s)?;
+    let mut x = 0x1234_5678u64;
+    let mut hiddens = Vec::with_capacity(steps);
+    for _ in 0..steps {
+        for v in h.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *v += 0.02 * ((x % 2001) as f32 / 1000.0 - 1.0);
+        }
+        hiddens.push(bench.upload(&h.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>(), "hidden t")?);
+    }
+    let (keys, _scales) = bench.keys(KeyDtype::Bf16, chunks)?;
+    let topk = DeviceBuffer::alloc(4 * k, "topk")?;
+    let n_idx = WINDOW + k;
+    let idx: Vec<DeviceBuffer> = (0..layers).map(|_| DeviceBuffer::alloc(4 * n_idx, "layer indices")).collect::<Result<_>>()?;
+    let ctx = context(bench.dev.ordinal, 512, false, &(0..layers).map(|_| spec(chunks, 2048)).collect::<Vec<_>>())?;
+    for l in 0..layers {
+        prefill(&ctx, l, chunks, 2048, s)?;
+    }
+    let seq = |t: usize| SeqRef {
+        hidden: hiddens[t].ptr,
+        keys: KeysRef { data: keys.ptr, scales: 0, row_stride: 0, dtype: KeyDtype::Bf16 },
+        n_chunks: chunks,
+        out: topk.ptr,
+    };
+    let score = |t: usize| -> Result<()> { unsafe { bench.scorer.score_topk(&seq(t), k, e, s as u64) } };
+    let copies = || -> Result<()> { idx.iter().try_for_each(|b| dtod(b.ptr + 4 * WINDOW as u64, topk.ptr, 4 * k, s)) };
+    let swaps = || -> Result<()> {
+        // SAFETY: index buffers of WINDOW + k ints.
+        idx.iter().enumerate().try_for_each(|(l, b)| unsafe { ctx.swap_in_raw(l, b.ptr, WINDOW as u32, k as u32, s as u64) })
+    };
+    // Warm-up outside capture (workspace, residency).
+    score(0)?;
+    copies()?;
+    swaps()?;
+    driver::stream_sync(s)?;
+    let g_scorer = Graph::capture(s, || (0..steps).try_for_each(&score))?;
+    let g_copies = Graph::capture(s, || (0..steps).try_for_each(|t| score(t).and_then(|_| copies())))?;
+    let g_full = Graph::capture(s, || (0..steps).try_for_each(|t| score(t).and_then(|_| copies()).and_then(|_| swaps())))?;
+    let before = ctx.stats(0)?;
+    let t_full = time_ms(s, bench.rounds, || g_full.launch(s))? * 1e3 / steps as f64;
+    driver::stream_sync(s)?;
+    let after = ctx.stats(0)?;
+    let t_copies = time_ms(s, bench.rounds, || g_copies.launch(s))? * 1e3 / steps as f64;
+    let t_scorer = time_ms(s, bench.rounds, || g_scorer.launch(s))? * 1e3 / steps as f64;
+    let (hh, mm) = (after.hits - before.hits, after.misses - before.misses);
+    let _ = d;
+    let overhead = (t_full - t_copies).max(0.0);
+    Ok(FmStepRow {
+        layers,
+        chunks,
+        k,
+        hit_rate: hh as f64 / (hh + mm).max(1) as f64,
+        scorer_us: t_scorer,
+        step_us: t_full - (t_copies - t_scorer).max(0.0),
+        overhead_us: overhead,
+        ratio_to_scorer: (t_full - (t_copies - t_scorer).max(0.0)) / t_scorer,
+    })
+}
+
+pub fn render_fm(r: &FmReport) -> String {
+    let mut s = format!(
+        "# FlashMemory scorer on {}: {} scorers x {} heads x {} dims, hidden {}, bf16 weights {:.1} MB; device copy {:.0} GB/s (read+write)\n",
+        r.device, r.scorers, r.heads, r.head_dim, r.hidden, r.weight_bytes as f64 / 1e6, r.copy_gbps
+    );
+    s += &format!("{:>6} {:>5} {:>9} {:>5} {:>11} {:>10} {:>9} {:>9}\n", "scope", "keys", "chunks", "k", "kvswap_us", "floor_us", "x_floor", "TFLOP/s");
+    for w in &r.rows {
+        s += &format!(
+            "{:>6} {:>5} {:>9} {:>5} {:>11.1} {:>10.1} {:>8.2}x {:>9.0}\n",
+            w.scope, w.keys, w.chunks, w.k, w.kvswap_us, w.floor_us, w.ratio_to_floor, w.tflops
+        );
+    }
+    s += &format!("\n{:>5} {:>14} {:>10} {:>12} {:>16}\n", "seqs", "chunks_per_seq", "batch_us", "per_seq_us", "single_call_us");
+    for b in &r.batch {
+        s += &format!("{:>5} {:>14} {:>10.1} {:>12.1} {:>16.1}\n", b.seqs, b.chunks_per_seq, b.batch_us, b.per_seq_us, b.single_call_us);
+    }
+    if let Some(t) = &r.step {
+        s += &format!(
+            "\ndecode step: scorer ({} chunks, k={}) -> swap-in of {} layers sharing the top-k, drifting hidden state: \
+             hit rate {:.1}%, scorer {:.1} us, step {:.1} us, swap-in overhead {:.1} us ({:.2}x the scorer alone)\n",
+            t.chunks, t.k, t.layers, 100.0 * t.hit_rate, t.scorer_us, t.step_us, t.overhead_us, t.ratio_to_scorer
+        );
+    }
     s
 }

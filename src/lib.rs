@@ -18,6 +18,7 @@ pub mod kernels;
 pub mod layer;
 pub mod logging;
 pub mod residency;
+pub mod scorer;
 pub mod plan;
 pub mod demo;
 pub mod svg;

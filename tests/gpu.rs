@@ -206,3 +206,62 @@ fn bad_device_ordinal_is_no_device() {
     let e = Context::new(cfg, &[spec(1024, 2048)]).err().expect("device 999 must be refused");
     assert_eq!(e.status, kvswap::KvswapStatus::NoDevice, "{e}");
 }
+
+/// A stream of another CUDA context is refused with WRONG_DEVICE and changes
+/// nothing (on one GPU, a second context on the same device stands in for
+/// another device; `multi_gpu_pointers_of_another_device_are_refused` covers
+/// real devices).
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn stream_of_another_context_is_wrong_device() {
+    use cudarc::driver::sys;
+    let gpu = Context::new(config(BackendChoice::Cuda, 16, true), &[spec(64, 256)]).unwrap();
+    let dev = Device::open(0).unwrap();
+    let (mut other, mut stream): (sys::CUcontext, sys::CUstream) = (std::ptr::null_mut(), std::ptr::null_mut());
+    unsafe {
+        driver::check(sys::cuCtxCreate_v4(&mut other, std::ptr::null_mut(), 0, dev.dev), "cuCtxCreate").unwrap();
+        driver::check(sys::cuStreamCreate(&mut stream, 1), "cuStreamCreate").unwrap();
+        let mut popped = std::ptr::null_mut();
+        driver::check(sys::cuCtxPopCurrent_v2(&mut popped), "pop").unwrap();
+    }
+    let _g = dev.bind().unwrap();
+    let src = DeviceBuffer::alloc(256, "src").unwrap();
+    let idx = DeviceBuffer::alloc(64, "idx").unwrap();
+    let e = unsafe { gpu.store_raw(0, &[1], src.ptr, 0, stream as u64) }.unwrap_err();
+    assert_eq!(e.status, kvswap::KvswapStatus::WrongDevice, "{e}");
+    let e = unsafe { gpu.swap_in_raw(0, idx.ptr, 0, 4, stream as u64) }.unwrap_err();
+    assert_eq!(e.status, kvswap::KvswapStatus::WrongDevice, "{e}");
+    assert_eq!(gpu.stats(0).unwrap().stores, 0, "nothing changed");
+    // A host pointer is not device memory.
+    let host = vec![0u8; 256];
+    let s = OwnedStream::new().unwrap();
+    let e = unsafe { gpu.store_raw(0, &[1], host.as_ptr() as u64, 0, s.0 as u64) }.unwrap_err();
+    assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
+    unsafe {
+        sys::cuStreamDestroy_v2(stream);
+        sys::cuCtxDestroy_v2(other);
+    }
+}
+
+/// With two or more GPUs: a device pointer and a stream of device 1 passed to
+/// a context of device 0 are refused with WRONG_DEVICE.
+#[test]
+#[ignore = "needs two CUDA devices: run .ci/gpu-run.sh on a multi-GPU machine"]
+fn multi_gpu_pointers_of_another_device_are_refused() {
+    let n = driver::device_count().unwrap();
+    assert!(n >= 2, "this test needs 2 GPUs, found {n}");
+    let gpu0 = Context::new(config(BackendChoice::Cuda, 16, true), &[spec(64, 256)]).unwrap();
+    let dev1 = Device::open(1).unwrap();
+    let _g = dev1.bind().unwrap();
+    let src1 = DeviceBuffer::alloc(256, "src on device 1").unwrap();
+    let s1 = OwnedStream::new().unwrap();
+    let e = unsafe { gpu0.store_raw(0, &[1], src1.ptr, 0, s1.0 as u64) }.unwrap_err();
+    assert_eq!(e.status, kvswap::KvswapStatus::WrongDevice, "{e}");
+    drop(_g);
+    let dev0 = Device::open(0).unwrap();
+    let _g0 = dev0.bind().unwrap();
+    let s0 = OwnedStream::new().unwrap();
+    let e = unsafe { gpu0.store_raw(0, &[1], src1.ptr, 0, s0.0 as u64) }.unwrap_err();
+    assert_eq!(e.status, kvswap::KvswapStatus::WrongDevice, "pointer of device 1: {e}");
+    assert!(e.message.contains("device 1"), "{e}");
+}

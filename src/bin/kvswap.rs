@@ -5,6 +5,8 @@
 //! - `kvswap demo`: a simulated decode loop on the library (see `kvswap::demo`).
 //! - `kvswap demo --sweep`: the same over several `gpu_chunks`, with a table
 //!   and an SVG plot.
+//! - `kvswap fm init` / `kvswap fm info`: write a seeded random FlashMemory
+//!   checkpoint / show what a checkpoint holds (see `kvswap::scorer`).
 //!
 //! Exit codes: 0 success, 2 usage error (bad flag, value or model file),
 //! 1 runtime error (the library or the file system failed).
@@ -39,6 +41,9 @@ enum Command {
     Demo(DemoArgs),
     /// Swap-in benchmark: on CUDA beside the bulk H2D ceiling and a per-chunk memcpy baseline.
     Bench(BenchArgs),
+    /// FlashMemory scorer checkpoints: `init` writes a seeded random one, `info` shows one.
+    #[command(subcommand)]
+    Fm(FmCommand),
 }
 
 #[derive(Args)]
@@ -52,6 +57,14 @@ struct BenchArgs {
     /// A shorter run (fewer sizes and rounds).
     #[arg(long)]
     quick: bool,
+    /// Every GPU at once, one context and thread per GPU: swap-in and bulk
+    /// H2D bandwidth per GPU, alone and concurrently (CUDA only).
+    #[arg(long)]
+    multi_gpu: bool,
+    /// The FlashMemory scorer (score and full scopes, batched, decode step)
+    /// instead of the swap-in (CUDA only).
+    #[arg(long)]
+    scorer: bool,
     /// Also write the results as JSON to PATH.
     #[arg(long, value_name = "PATH")]
     json: Option<PathBuf>,
@@ -199,6 +212,7 @@ fn main() -> ExitCode {
         Command::Plan(a) => cmd_plan(a),
         Command::Demo(a) => cmd_demo(a),
         Command::Bench(a) => cmd_bench(a),
+        Command::Fm(c) => cmd_fm(c),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -222,6 +236,32 @@ fn cmd_bench(a: BenchArgs) -> Result<(), Failure> {
         log::set_max_level(log::LevelFilter::Warn);
     }
     let backend: BackendChoice = a.backend.into();
+    #[cfg(feature = "cuda")]
+    if a.scorer {
+        if backend == BackendChoice::Cpu {
+            return Err(Failure::Usage("--scorer measures the CUDA scorer: use --backend cuda or auto".into()));
+        }
+        let r = kvswap::gpubench::run_fm(a.device, a.quick)?;
+        emit(&kvswap::gpubench::render_fm(&r))?;
+        if let Some(path) = &a.json {
+            write_file(path, &to_json(&r)?)?;
+            emit(&format!("wrote {}\n", path.display()))?;
+        }
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    if a.multi_gpu {
+        if backend == BackendChoice::Cpu {
+            return Err(Failure::Usage("--multi-gpu measures GPUs: use --backend cuda or auto".into()));
+        }
+        let r = kvswap::gpubench::run_multi(a.quick)?;
+        emit(&kvswap::gpubench::render_multi(&r))?;
+        if let Some(path) = &a.json {
+            write_file(path, &to_json(&r)?)?;
+            emit(&format!("wrote {}\n", path.display()))?;
+        }
+        return Ok(());
+    }
     #[cfg(feature = "cuda")]
     if backend != BackendChoice::Cpu {
         match kvswap::gpubench::run(a.device, a.quick) {
@@ -560,4 +600,115 @@ fn render_sweep(p: &DemoParams, reports: &[DemoReport]) -> String {
         );
     }
     s
+}
+
+// ------------------------------------------------------------ fm
+
+#[derive(Subcommand)]
+enum FmCommand {
+    /// Write a seeded random `flashmemory-v1` checkpoint (weights ~ N(0, 1/hidden), so scores are O(1)).
+    Init(FmInitArgs),
+    /// Print what a checkpoint holds: metadata, tensors with shapes and dtypes, size, weight statistics.
+    Info(FmInfoArgs),
+}
+
+#[derive(Args)]
+struct FmInitArgs {
+    /// Width of each scorer's hidden input.
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+    hidden: u32,
+    /// Heads per scorer.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    heads: u32,
+    /// Elements per head (and per indexer key).
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    head_dim: u32,
+    /// Scorer heads (the reference engine takes 3, at layers 10/12/20).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=64))]
+    scorers: u32,
+    /// Where to write the checkpoint.
+    #[arg(long, value_name = "FILE")]
+    out: PathBuf,
+    /// Weight element type.
+    #[arg(long, value_enum, default_value_t = FmDtypeArg::Bf16)]
+    dtype: FmDtypeArg,
+    /// How the scorers are combined unless an engine overrides it.
+    #[arg(long, value_enum, default_value_t = FmEnsembleArg::Max)]
+    ensemble: FmEnsembleArg,
+    /// Seed of the weights: the same seed writes the same weights.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+#[derive(Args)]
+struct FmInfoArgs {
+    /// The checkpoint (safetensors).
+    file: PathBuf,
+    /// Print the information as JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum FmDtypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum FmEnsembleArg {
+    Max,
+    Mean,
+}
+
+fn cmd_fm(c: FmCommand) -> Result<(), Failure> {
+    match c {
+        FmCommand::Init(a) => cmd_fm_init(a),
+        FmCommand::Info(a) => cmd_fm_info(a),
+    }
+}
+
+fn cmd_fm_init(a: FmInitArgs) -> Result<(), Failure> {
+    use kvswap::scorer::{write, Meta, WeightDtype};
+    let meta = Meta {
+        n_scorers: a.scorers,
+        hidden: a.hidden,
+        n_heads: a.heads,
+        head_dim: a.head_dim,
+        ensemble: match a.ensemble {
+            FmEnsembleArg::Max => kvswap::Ensemble::Max,
+            FmEnsembleArg::Mean => kvswap::Ensemble::Mean,
+        },
+    };
+    let dtype = match a.dtype {
+        FmDtypeArg::F32 => WeightDtype::F32,
+        FmDtypeArg::F16 => WeightDtype::F16,
+        FmDtypeArg::Bf16 => WeightDtype::Bf16,
+    };
+    let tensors = write::random(&meta, dtype, a.seed).map_err(|e| Failure::Usage(e.message))?;
+    write::save(&a.out, &meta, &tensors)?;
+    let weight_bytes: u64 = tensors.iter().map(|t| t.data.len() as u64).sum();
+    emit(&format!(
+        "wrote {}: {} scorers, hidden {}, {} heads x {} dims, {} weights ({}), ensemble {}, seed {}\n",
+        a.out.display(),
+        meta.n_scorers,
+        meta.hidden,
+        meta.n_heads,
+        meta.head_dim,
+        dtype.name(),
+        mb_mib(weight_bytes),
+        kvswap::scorer::ensemble_name(meta.ensemble),
+        a.seed
+    ))
+}
+
+fn cmd_fm_info(a: FmInfoArgs) -> Result<(), Failure> {
+    let ckpt = kvswap::scorer::Checkpoint::load(&a.file).map_err(|e| Failure::Usage(e.to_string()))?;
+    let info = kvswap::scorer::info::info(&ckpt);
+    if a.json {
+        emit(&to_json(&info)?)
+    } else {
+        emit(&kvswap::scorer::info::render(&a.file.display().to_string(), &info))
+    }
 }

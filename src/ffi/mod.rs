@@ -13,6 +13,9 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+mod scorer;
+pub use scorer::*;
+
 /// An engine stream: a `CUstream` on the CUDA backend (NULL is refused there:
 /// kvswap never uses the legacy default stream); ignored on the CPU backend.
 pub type KvswapStream = *mut c_void;

@@ -32,10 +32,19 @@ fn structs_match() {
     n += 1; same_layout!(kvswap::ffi::KvswapContextInfo, c::KvswapContextInfo, [
         backend, device, n_layers, swap_layers, host_tier_bytes, staging_bytes
     ]);
-    // Every struct the header defines is checked above.
+    n += 1; same_layout!(kvswap::ffi::FmKeys, c::FmKeys, [data, scales, row_stride_bytes, dtype]);
+    n += 1; same_layout!(kvswap::ffi::FmSeq, c::FmSeq, [hidden, keys, n_chunks, out_indices]);
+    n += 1; same_layout!(kvswap::ffi::FmScorerInfo, c::FmScorerInfo, [
+        n_scorers, hidden, n_heads, head_dim, ensemble, device, weight_bytes
+    ]);
+    // Every struct the header defines is checked above (opaque handles,
+    // `typedef struct X X;`, have no layout to check).
     let header = include_str!("../../../include/kvswap.h");
     let defined = header.matches("typedef struct ").filter(|_| true).count()
-        - header.matches("typedef struct KvswapContext KvswapContext;").count();
+        - ["KvswapContext", "FmScorer"]
+            .iter()
+            .map(|h| header.matches(&format!("typedef struct {h} {h};")).count())
+            .sum::<usize>();
     assert_eq!(n, defined, "a struct of the header is not checked here");
 }
 
@@ -73,4 +82,11 @@ fn enums_and_constants_match() {
     assert_eq!(kvswap::config::KVSWAP_ENSEMBLE_MAX, c::KVSWAP_ENSEMBLE_MAX);
     assert_eq!(kvswap::config::KVSWAP_ENSEMBLE_MEAN, c::KVSWAP_ENSEMBLE_MEAN);
     assert_eq!(kvswap::config::KVSWAP_PATH_MAX as u64, c::KVSWAP_PATH_MAX as u64);
+    assert_eq!(kvswap::scorer::keys::FM_KEYS_F32, c::FM_KEYS_F32);
+    assert_eq!(kvswap::scorer::keys::FM_KEYS_BF16, c::FM_KEYS_BF16);
+    assert_eq!(kvswap::scorer::keys::FM_KEYS_FP8_E4M3, c::FM_KEYS_FP8_E4M3);
+    assert_eq!(kvswap::scorer::FM_MAX_CHUNKS as u64, c::FM_MAX_CHUNKS as u64);
+    assert_eq!(kvswap::scorer::FM_MAX_TOPK as u64, c::FM_MAX_TOPK as u64);
+    assert_eq!(kvswap::scorer::FM_MAX_SEQS as u64, c::FM_MAX_SEQS as u64);
+    assert_eq!(kvswap::scorer::bounds::FM_MAX_BOUNDS_DIM as u64, c::FM_MAX_BOUNDS_DIM as u64);
 }

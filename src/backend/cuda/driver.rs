@@ -391,13 +391,22 @@ impl Kernel {
     /// # Safety
     /// As [`Kernel::launch`].
     pub unsafe fn launch_dependent(&self, grid: u32, block: u32, smem: u32, stream: CUstream, params: &mut [*mut c_void]) -> Result<()> {
+        // SAFETY: forwarded caller contract.
+        unsafe { self.launch_dependent_2d((grid, 1), block, smem, stream, params) }
+    }
+
+    /// [`Kernel::launch_dependent`] with a 2-D grid.
+    ///
+    /// # Safety
+    /// As [`Kernel::launch`].
+    pub unsafe fn launch_dependent_2d(&self, grid: (u32, u32), block: u32, smem: u32, stream: CUstream, params: &mut [*mut c_void]) -> Result<()> {
         // SAFETY: a zeroed attribute is valid plain data; the id/value pair is set below.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         attr.value.programmaticStreamSerializationAllowed = 1;
         let cfg = sys::CUlaunchConfig {
-            gridDimX: grid,
-            gridDimY: 1,
+            gridDimX: grid.0,
+            gridDimY: grid.1,
             gridDimZ: 1,
             blockDimX: block,
             blockDimY: 1,
@@ -421,8 +430,17 @@ impl Kernel {
     /// layout, and every device address in them must be valid for the kernel.
     pub unsafe fn launch(&self, grid: u32, block: u32, smem: u32, stream: CUstream, params: &mut [*mut c_void]) -> Result<()> {
         // SAFETY: forwarded caller contract.
+        unsafe { self.launch_2d((grid, 1), block, smem, stream, params) }
+    }
+
+    /// [`Kernel::launch`] with a 2-D grid.
+    ///
+    /// # Safety
+    /// As [`Kernel::launch`].
+    pub unsafe fn launch_2d(&self, grid: (u32, u32), block: u32, smem: u32, stream: CUstream, params: &mut [*mut c_void]) -> Result<()> {
+        // SAFETY: forwarded caller contract.
         check(
-            unsafe { sys::cuLaunchKernel(self.0, grid, 1, 1, block, 1, 1, smem, stream, params.as_mut_ptr(), std::ptr::null_mut()) },
+            unsafe { sys::cuLaunchKernel(self.0, grid.0, grid.1, 1, block, 1, 1, smem, stream, params.as_mut_ptr(), std::ptr::null_mut()) },
             "cuLaunchKernel",
         )
     }
@@ -444,6 +462,21 @@ pub unsafe fn copy_dtoh_async(dst: *mut u8, src: CUdeviceptr, bytes: usize, s: C
 pub unsafe fn copy_htod_async(dst: CUdeviceptr, src: *const u8, bytes: usize, s: CUstream) -> Result<()> {
     // SAFETY: forwarded caller contract.
     check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, s) }, "cuMemcpyHtoDAsync")
+}
+
+/// Asynchronous fill of `n` bytes.
+///
+/// # Safety
+/// `dst` must address `n` writable bytes of device memory.
+pub unsafe fn memset_d8_async(dst: CUdeviceptr, value: u8, n: usize, s: CUstream) -> Result<()> {
+    // SAFETY: forwarded caller contract.
+    check(unsafe { sys::cuMemsetD8Async(dst, value, n, s) }, "cuMemsetD8Async")
+}
+
+/// Makes `s` wait for `e` (device-side; the host does not wait).
+pub fn stream_wait_event(s: CUstream, e: &Event) -> Result<()> {
+    // SAFETY: live stream and event.
+    check(unsafe { sys::cuStreamWaitEvent(s, e.0, 0) }, "cuStreamWaitEvent")
 }
 
 /// Asynchronous fill of `n` 32-bit words.

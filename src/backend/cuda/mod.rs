@@ -6,6 +6,7 @@
 
 pub mod driver;
 pub mod nvrtc;
+pub mod scorer;
 
 use super::{Backend, BackendKind, LayerOps, StreamHandle};
 use crate::config::Config;
@@ -312,7 +313,7 @@ impl CudaLayer {
             strict: cfg.sync,
             validate: cfg.validate,
             recorded: false,
-            checked_stream: 0,
+            checked_stream: usize::MAX,
             checked_ranges: Vec::new(),
         };
         let s = layer.sh.internal.0;
@@ -322,8 +323,8 @@ impl CudaLayer {
         unsafe { layer.sh.kernels.init.launch(grid, 256, 0, s, &mut [&mut d as *mut LayerDev as *mut c_void])? };
         if let Some(b) = &layer._staging_buf {
             // Zero the library-owned staging so no slot holds garbage.
-            // SAFETY: b holds slots * chunk_bytes bytes, a multiple of 4 below.
-            unsafe { driver::memset_d32_async(b.ptr, 0, b.bytes / 4, s)? };
+            // SAFETY: b holds b.bytes bytes.
+            unsafe { driver::memset_d8_async(b.ptr, 0, b.bytes, s)? };
         }
         Ok(layer)
     }
@@ -334,10 +335,16 @@ impl CudaLayer {
         [d.chunk_bytes, d.stride, d.staging, d.host_tier].iter().chain(extra).all(|v| v % 16 == 0)
     }
 
+    /// Checks the engine's stream (never the legacy one; of this device) and,
+    /// when it differs from the stream of this layer's previous call, orders
+    /// it after that call on the device (cuStreamWaitEvent: no host wait).
     fn stream(&mut self, stream: StreamHandle) -> Result<CUstream> {
         let s = stream as CUstream;
         if stream as usize != self.checked_stream {
             check_stream_device(&self.sh.device, s)?;
+            if self.recorded {
+                driver::stream_wait_event(s, &self.done)?;
+            }
             self.checked_stream = stream as usize;
         }
         Ok(s)
@@ -596,6 +603,7 @@ impl LayerOps for CudaLayer {
     fn store_host(&mut self, ids: &[u32], rows: &[u8]) -> Result<()> {
         let _g = self.sh.device.bind()?;
         self.wait()?;
+        self.checked_stream = usize::MAX;
         let s = self.sh.internal.0;
         let dst = self.scratch(rows.len())?;
         // SAFETY: scratch holds rows.len() bytes; synced before `rows` is released.
@@ -610,6 +618,7 @@ impl LayerOps for CudaLayer {
     fn swap_in_host(&mut self, indices: &mut [i32], window_len: u32) -> Result<()> {
         let _g = self.sh.device.bind()?;
         self.wait()?;
+        self.checked_stream = usize::MAX;
         let s = self.sh.internal.0;
         let bytes = indices.len() * 4;
         let count = (indices.len() - window_len as usize) as u32;

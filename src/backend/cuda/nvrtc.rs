@@ -44,6 +44,11 @@ fn require() -> Result<()> {
 
 /// Compiles `source` for `sm_<major><minor>` and returns the CUBIN.
 pub fn compile(name: &str, source: &str, cc: (i32, i32)) -> Result<Vec<u8>> {
+    compile_with(name, source, cc, &[])
+}
+
+/// `compile` with extra options (e.g. `-DFM_HEADS=64`).
+pub fn compile_with(name: &str, source: &str, cc: (i32, i32), extra: &[String]) -> Result<Vec<u8>> {
     require()?;
     let src = CString::new(source).map_err(|_| Error::invalid("kernel source contains NUL"))?;
     let cname = CString::new(name).unwrap_or_default();
@@ -60,6 +65,7 @@ pub fn compile(name: &str, source: &str, cc: (i32, i32)) -> Result<Vec<u8>> {
         "-default-device".to_string(),
     ]
     .into_iter()
+    .chain(extra.iter().cloned())
     .map(|o| CString::new(o).unwrap())
     .collect();
     let ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();
@@ -96,14 +102,20 @@ fn log(prog: sys::nvrtcProgram) -> String {
 
 /// `compile`, cached per (kernel file, architecture) for the process.
 pub fn compile_cached(name: &str, source: &str, cc: (i32, i32)) -> Result<Arc<Vec<u8>>> {
-    static CACHE: OnceLock<Mutex<HashMap<(String, i32, i32), Arc<Vec<u8>>>>> = OnceLock::new();
+    compile_cached_with(name, source, cc, &[])
+}
+
+/// `compile_with`, cached per (kernel file, architecture, options).
+pub fn compile_cached_with(name: &str, source: &str, cc: (i32, i32), extra: &[String]) -> Result<Arc<Vec<u8>>> {
+    type Key = (String, i32, i32, Vec<String>);
+    static CACHE: OnceLock<Mutex<HashMap<Key, Arc<Vec<u8>>>>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
-    let key = (name.to_string(), cc.0, cc.1);
+    let key = (name.to_string(), cc.0, cc.1, extra.to_vec());
     if let Some(c) = cache.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return Ok(c.clone());
     }
     let t = std::time::Instant::now();
-    let cubin = Arc::new(compile(name, source, cc)?);
+    let cubin = Arc::new(compile_with(name, source, cc, extra)?);
     log::debug!("kvswap: compiled {name} for sm_{}{} in {:.0} ms", cc.0, cc.1, t.elapsed().as_secs_f64() * 1e3);
     cache.lock().unwrap_or_else(|p| p.into_inner()).insert(key, cubin.clone());
     Ok(cubin)

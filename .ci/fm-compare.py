@@ -1,0 +1,35 @@
+#!/usr/bin/env python3
+"""Side-by-side table of kvswap's scorer benchmark (kvswap bench --scorer --json)
+and the PyTorch baseline (shared/bench/torch_fm_baseline.py --json, one file per
+scope), measured in the same GPU session.
+
+  fm-compare.py kvswap-fm.json torch-score.json torch-full.json
+"""
+import json
+import sys
+
+ORIGINAL_ENGINE_US = 10_000.0  # the reference engine's +10 ms per token for global scoring
+
+
+def main():
+    kv = json.load(open(sys.argv[1]))
+    torch = {}
+    for path in sys.argv[2:]:
+        t = json.load(open(path))
+        for row in t["rows"]:
+            torch[(t["args"]["scope"], row["chunks"])] = row["score_topk_graph_us"]
+    print(f"# {kv['device']}: kvswap beside PyTorch (CUDA-graph replay, same shapes, same session)")
+    print(f"# floor = bytes read once / {kv['copy_gbps']:.0f} GB/s measured device copy; PyTorch uses bf16 keys")
+    print(f"{'scope':>6} {'keys':>5} {'chunks':>9} {'kvswap_us':>10} {'torch_us':>9} {'vs_torch':>9} "
+          f"{'floor_us':>9} {'x_floor':>8} {'vs_10ms':>8}")
+    for r in kv["rows"]:
+        t = torch.get((r["scope"], r["chunks"]))
+        vs = f"{t / r['kvswap_us']:.1f}x" if t else "-"
+        ts = f"{t:.1f}" if t else "-"
+        v10 = f"{ORIGINAL_ENGINE_US / r['kvswap_us']:.0f}x" if r["scope"] == "full" else ""
+        print(f"{r['scope']:>6} {r['keys']:>5} {r['chunks']:>9} {r['kvswap_us']:>10.1f} {ts:>9} {vs:>9} "
+              f"{r['floor_us']:>9.1f} {r['ratio_to_floor']:>7.2f}x {v10:>8}")
+
+
+if __name__ == "__main__":
+    main()

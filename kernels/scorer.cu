@@ -1,0 +1,848 @@
+// FlashMemory scorer kernels: projections, chunk scoring on the tensor cores,
+// ensemble, and an exact global top-k (score descending, ties to the lower id).
+//
+// Compiled by NVRTC per scorer shape: FM_SCORERS, FM_HEADS and FM_HEAD_DIM are
+// given with -D, so every loop bound below is a compile-time constant.
+//
+//   fm_project_*   q = Wq h, w = Ww h for every scorer (and every sequence of a
+//                  batch), weights read once; q is written in bf16 for the MMA.
+//   fm_score_*     per chunk: s_i = sum_h w[i,h] * relu(scale * (q[i,h] . key)),
+//                  ensemble (max or mean) -> a sortable 32-bit key per chunk,
+//                  and a histogram of the keys' top FM_HIST_BITS bits.
+//   fm_bounds_score  the training-free (Quest-style) scorer, same outputs.
+//   fm_select      from the histogram, the threshold bin; candidates above it
+//                  and in it; the last block to finish picks the exact top-k by
+//                  the 64-bit key (score key << 32 | ~id) and writes the ids in
+//                  descending order, -1 padded. It leaves the histogram and
+//                  counters zeroed for the next call (graph replay needs no
+//                  memset).
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef int i32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#ifndef FM_SCORERS
+#define FM_SCORERS 3
+#endif
+#ifndef FM_HEADS
+#define FM_HEADS 64
+#endif
+#ifndef FM_HEAD_DIM
+#define FM_HEAD_DIM 128
+#endif
+
+#define FM_QROWS (FM_SCORERS * FM_HEADS)
+#define FM_HIST_BITS 12
+#define FM_HIST (1u << FM_HIST_BITS)
+#define FM_FULL 0xFFFFFFFFu
+
+// Key dtypes (FM_KEYS_* in the C header).
+#define FM_KEYS_F32 0u
+#define FM_KEYS_BF16 1u
+#define FM_KEYS_FP8_E4M3 2u
+
+// Error codes recorded on the device (first error wins).
+#define FM_ERR_HIDDEN 1u    // non-finite hidden state: info = scorer, position
+#define FM_ERR_SCORE 2u     // non-finite score (non-finite key, or overflow): info = chunk
+
+// ------------------------------------------------------------------ helpers
+
+__device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
+
+// Round to nearest even; NaN stays NaN.
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x40u);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (u16)(x >> 16);
+}
+
+// fp8 e4m3 (OCP): bias 7, no infinities, S.1111.111 is NaN. Exact in bf16.
+__device__ __forceinline__ u16 fp8_to_bf16(u8 v) {
+    const u32 s = (v >> 7) & 1u, e = (v >> 3) & 0xfu, m = v & 7u;
+    if (e == 0xfu && m == 7u) return (u16)((s << 15) | 0x7fc0u);  // NaN
+    if (e == 0) {
+        if (m == 0) return (u16)(s << 15);
+        // subnormal: m * 2^-9 = 1.f * 2^(p - 9) with p the top set bit of m
+        u32 p = 31 - __clz(m);
+        u32 frac = (m << (3 - p)) & 7u;  // bits below the leading one, as 3 bits
+        u32 be = p - 9 + 127;
+        return (u16)((s << 15) | (be << 7) | (frac << 4));
+    }
+    return (u16)((s << 15) | ((e - 7 + 127) << 7) | (m << 4));
+}
+
+// Monotone map of a float to u32: a < b  <=>  key(a) < key(b) (NaN excluded).
+__device__ __forceinline__ u32 sort_key(float f) {
+    const u32 x = __float_as_uint(f);
+    return (x & 0x80000000u) ? ~x : (x | 0x80000000u);
+}
+
+__device__ __forceinline__ void record_error(u32* err, u32 code, u32 a, u32 b) {
+    if (atomicCAS(&err[0], 0u, code) == 0u) {
+        err[1] = a;
+        err[2] = b;
+    }
+}
+
+__device__ u32 block_exclusive_sum(u32 v, u32* total) {
+    __shared__ u32 warp_sums[32];
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u32 nwarps = (blockDim.x + 31u) >> 5;
+    u32 x = v;
+#pragma unroll
+    for (u32 off = 1; off < 32; off <<= 1) {
+        u32 y = __shfl_up_sync(FM_FULL, x, off);
+        if (lane >= off) x += y;
+    }
+    if (lane == 31u) warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        u32 t = lane < nwarps ? warp_sums[lane] : 0u;
+#pragma unroll
+        for (u32 off = 1; off < 32; off <<= 1) {
+            u32 y = __shfl_up_sync(FM_FULL, t, off);
+            if (lane >= off) t += y;
+        }
+        warp_sums[lane] = t;
+    }
+    __syncthreads();
+    const u32 base = warp > 0 ? warp_sums[warp - 1] : 0u;
+    *total = warp_sums[nwarps - 1];
+    __syncthreads();
+    return base + x - v;
+}
+
+__device__ __forceinline__ void allow_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_prerequisites() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// ------------------------------------------------------------ projections
+
+// One sequence's inputs and outputs of the projection.
+struct ProjSeq {
+    const float* hidden;  // [FM_SCORERS][hidden]
+    u16* q;               // [FM_QROWS][FM_HEAD_DIM] bf16
+    float* w;             // [FM_QROWS]
+};
+
+#define FM_MAX_BATCH 64
+#define FM_PROJ_ROWS 16    // weight rows per block (one per warp)
+
+struct ProjBatch {
+    u32 n;
+    ProjSeq seq[FM_MAX_BATCH];
+};
+
+template <typename T> __device__ __forceinline__ void load8(const T* p, float* out);
+template <> __device__ __forceinline__ void load8<float>(const float* p, float* out) {
+    const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+template <> __device__ __forceinline__ void load8<u16>(const u16* p, float* out) {  // bf16
+    const uint4 v = *(const uint4*)p;
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = __uint_as_float(w[i] << 16);
+        out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+struct F16 { u16 v; };
+template <> __device__ __forceinline__ void load8<F16>(const F16* p, float* out) {
+    const uint4 v = *(const uint4*)p;
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        unsigned short lo = (unsigned short)(w[i] & 0xffff), hi = (unsigned short)(w[i] >> 16);
+        float a, b;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(a) : "h"(lo));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(b) : "h"(hi));
+        out[2 * i] = a;
+        out[2 * i + 1] = b;
+    }
+}
+
+// out[b][row] = W[row] . hidden_b for every row of every scorer and every
+// sequence b of the batch (up to MAXB): each warp owns one weight row and reads
+// it once for all sequences; the sequences' hidden slices are staged in
+// (dynamic) shared memory KT elements at a time. Lane l always sums elements
+// l*8 + 256 j in increasing j, whatever MAXB and KT (a multiple of 256), so a
+// batch computes bit-identical projections to single calls. Rows
+// [0, FM_HEADS*FM_HEAD_DIM) of scorer i are Wq (output q, bf16), the next
+// FM_HEADS rows are Ww (output w, f32). weights: [FM_SCORERS][rows][hidden];
+// hidden % 8 == 0 (checked on the host).
+template <typename T, u32 MAXB, u32 KT>
+__device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBatch& B, u32* err) {
+    extern __shared__ float sh_h[];  // [MAXB][KT]
+    constexpr u32 QR = FM_HEADS * FM_HEAD_DIM, ROWS = QR + FM_HEADS;
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
+    const u32 scorer = blockIdx.y;
+    const u32 row = blockIdx.x * FM_PROJ_ROWS + warp;
+    const bool active = row < ROWS;
+    const T* wrow = weights + ((u64)scorer * ROWS + (active ? row : 0)) * hidden;
+    float acc[MAXB];
+#pragma unroll
+    for (u32 b = 0; b < MAXB; ++b) acc[b] = 0.f;
+    for (u32 k0 = 0; k0 < hidden; k0 += KT) {
+        const u32 kt = min(KT, hidden - k0);
+        __syncthreads();
+        for (u32 t = threadIdx.x; t < B.n * kt; t += blockDim.x) {
+            const u32 b = t / kt, k = t % kt;
+            const float v = B.seq[b].hidden[(u64)scorer * hidden + k0 + k];
+            if (!isfinite(v) && blockIdx.x == 0) record_error(err, FM_ERR_HIDDEN, scorer, k0 + k);
+            sh_h[b * KT + k] = v;
+        }
+        __syncthreads();
+        if (!active) continue;
+#pragma unroll 4
+        for (u32 k = lane * 8; k < kt; k += 256) {
+            float wv[8];
+            load8<T>(wrow + k0 + k, wv);
+#pragma unroll
+            for (u32 b = 0; b < MAXB; ++b) {
+                if (b < B.n) {
+                    const float* h = sh_h + b * KT + k;
+                    const float4 h0 = *(const float4*)h, h1 = *(const float4*)(h + 4);
+                    float s = wv[0] * h0.x;
+                    s = fmaf(wv[1], h0.y, s);
+                    s = fmaf(wv[2], h0.z, s);
+                    s = fmaf(wv[3], h0.w, s);
+                    s = fmaf(wv[4], h1.x, s);
+                    s = fmaf(wv[5], h1.y, s);
+                    s = fmaf(wv[6], h1.z, s);
+                    s = fmaf(wv[7], h1.w, s);
+                    acc[b] += s;
+                }
+            }
+        }
+    }
+    if (!active) return;
+#pragma unroll
+    for (u32 b = 0; b < MAXB; ++b) {
+        if (b >= B.n) break;
+        float s = acc[b];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(FM_FULL, s, off);
+        if (lane == 0) {
+            if (row < QR) B.seq[b].q[(u64)scorer * QR + row] = f32_to_bf16(s);
+            else B.seq[b].w[scorer * FM_HEADS + (row - QR)] = s;
+        }
+    }
+}
+
+// Instantiations: weight dtype x batch width (1: a whole 4096-wide hidden
+// state per pass; 8 and 64: narrower passes to bound shared memory).
+#define FM_PROJECT(NAME, T, MAXB, KT)                                                            \
+    extern "C" __global__ void __launch_bounds__(FM_PROJ_ROWS * 32)                               \
+    NAME(const T* W, u32 hidden, ProjBatch B, u32* err) { project<T, MAXB, KT>(W, hidden, B, err); }
+// Shared memory: MAXB * KT * 4 bytes (16, 32 and 64 KiB).
+FM_PROJECT(fm_project_f32_b1, float, 1, 4096)
+FM_PROJECT(fm_project_f32_b8, float, 8, 1024)
+FM_PROJECT(fm_project_f32_b64, float, 64, 256)
+FM_PROJECT(fm_project_bf16_b1, u16, 1, 4096)
+FM_PROJECT(fm_project_bf16_b8, u16, 8, 1024)
+FM_PROJECT(fm_project_bf16_b64, u16, 64, 256)
+FM_PROJECT(fm_project_f16_b1, F16, 1, 4096)
+FM_PROJECT(fm_project_f16_b8, F16, 8, 1024)
+FM_PROJECT(fm_project_f16_b64, F16, 64, 256)
+
+// ------------------------------------------------------- scoring (tensor cores)
+
+// One sequence of a scoring launch.
+struct ScoreSeq {
+    const void* keys;     // [n][FM_HEAD_DIM] in `dtype`, rows `stride` bytes apart
+    const float* scales;  // fp8: per-chunk scale; else unused
+    const u16* q;         // [FM_QROWS][FM_HEAD_DIM] bf16
+    const float* w;       // [FM_QROWS]
+    u32* skey;            // [n] out: sortable score keys
+    u32* hist;            // [FM_HIST] out: counts of skey >> (32 - FM_HIST_BITS)
+    u32 stride;           // bytes between key rows
+    u32 n;
+};
+
+struct ScoreBatch {
+    u32 n_seqs;
+    u32 dtype;
+    u32 mean;  // 1: ensemble mean, 0: max
+    u32 pad;
+    ScoreSeq seq[FM_MAX_BATCH];
+};
+
+#define FM_TILE 64                              // chunks per block tile
+#define FM_WROWS 32                             // chunks per warp
+#define FM_WHEADS (FM_HEADS < 64 ? FM_HEADS : 64)  // heads per warp
+#define FM_HGROUPS (FM_HEADS / FM_WHEADS)
+#define FM_SCORE_WARPS ((FM_TILE / FM_WROWS) * FM_SCORERS * FM_HGROUPS)
+#define FM_CHUNKS16 (FM_HEAD_DIM / 8)           // 16-byte chunks per bf16 row
+#define FM_KSTEPS (FM_HEAD_DIM / 16)
+
+// Swizzled byte offset of 16-byte chunk `c` of row `r` (rows of FM_HEAD_DIM
+// bf16): XOR with the row's low bits spreads ldmatrix rows over the banks.
+__device__ __forceinline__ u32 swz(u32 r, u32 c) {
+    return r * (FM_HEAD_DIM * 2) + ((c ^ (r & 7u)) << 4);
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& a, u32& b, u32& c, u32& d) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(addr));
+}
+
+__device__ __forceinline__ void mma_bf16(float* d, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(g));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// Shared memory: Q (bf16, swizzled) | two keys tiles (bf16, swizzled; one is
+// computed on while the next is loaded) | per-warp row partials | histogram.
+#define FM_Q_BYTES (FM_QROWS * FM_HEAD_DIM * 2)
+#define FM_TILE_BYTES (FM_TILE * FM_HEAD_DIM * 2)
+#define FM_PART_BYTES (FM_SCORERS * FM_HGROUPS * FM_TILE * 4)
+
+#define FM_SCORE_THREADS (FM_SCORE_WARPS * 32)
+#define FM_STAGE_ITEMS ((FM_TILE * FM_CHUNKS16 + FM_SCORE_THREADS - 1) / FM_SCORE_THREADS)
+
+// bf16 keys: starts the asynchronous copy of rows [c0, c0 + FM_TILE) into
+// `tile` (swizzled); rows past n are zeroed. Completes at cp_async_wait_all.
+__device__ void issue_tile_bf16(const ScoreSeq& S, u32 c0, u8* tile) {
+    for (u32 t = threadIdx.x; t < FM_TILE * FM_CHUNKS16; t += FM_SCORE_THREADS) {
+        const u32 r = t / FM_CHUNKS16, c = t % FM_CHUNKS16;
+        const u32 chunk = c0 + r;
+        u8* dst = tile + swz(r, c);
+        if (chunk < S.n) cp_async16(smem_addr(dst), (const u8*)S.keys + (u64)chunk * S.stride + c * 16);
+        else *(uint4*)dst = make_uint4(0, 0, 0, 0);
+    }
+    cp_async_commit();
+}
+
+// fp8 keys: loads a tile's raw bytes into registers (8 fp8 per item) ...
+struct Fp8Regs {
+    uint2 v[FM_STAGE_ITEMS];
+};
+
+__device__ __forceinline__ void load_tile_fp8(const ScoreSeq& S, u32 c0, Fp8Regs& R) {
+#pragma unroll
+    for (u32 j = 0; j < FM_STAGE_ITEMS; ++j) {
+        const u32 t = threadIdx.x + j * FM_SCORE_THREADS;
+        const u32 r = t / FM_CHUNKS16, c = t % FM_CHUNKS16;
+        const u32 chunk = c0 + r;
+        R.v[j] = (t < FM_TILE * FM_CHUNKS16 && chunk < S.n)
+                     ? *(const uint2*)((const u8*)S.keys + (u64)chunk * S.stride + c * 8)
+                     : make_uint2(0, 0);
+    }
+}
+
+// ... and converts them to bf16 into `tile` (exact: e4m3 fits in bf16).
+__device__ __forceinline__ void store_tile_fp8(const Fp8Regs& R, u8* tile) {
+#pragma unroll
+    for (u32 j = 0; j < FM_STAGE_ITEMS; ++j) {
+        const u32 t = threadIdx.x + j * FM_SCORE_THREADS;
+        if (t >= FM_TILE * FM_CHUNKS16) break;
+        const u32 r = t / FM_CHUNKS16, c = t % FM_CHUNKS16;
+        const u32 w[2] = {R.v[j].x, R.v[j].y};
+        u32 o[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 word = w[i / 2] >> (16 * (i % 2));
+            o[i] = (u32)fp8_to_bf16(word & 0xff) | ((u32)fp8_to_bf16((word >> 8) & 0xff) << 16);
+        }
+        *(uint4*)(tile + swz(r, c)) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+}
+
+// f32 keys: loads and rounds to bf16 synchronously (not a fast path).
+__device__ void stage_tile_f32(const ScoreSeq& S, u32 c0, u8* tile) {
+    for (u32 t = threadIdx.x; t < FM_TILE * FM_CHUNKS16; t += FM_SCORE_THREADS) {
+        const u32 r = t / FM_CHUNKS16, c = t % FM_CHUNKS16;
+        const u32 chunk = c0 + r;
+        uint4 out = make_uint4(0, 0, 0, 0);
+        if (chunk < S.n) {
+            const float* p = (const float*)((const u8*)S.keys + (u64)chunk * S.stride) + c * 8;
+            const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
+            out.x = (u32)f32_to_bf16(a.x) | ((u32)f32_to_bf16(a.y) << 16);
+            out.y = (u32)f32_to_bf16(a.z) | ((u32)f32_to_bf16(a.w) << 16);
+            out.z = (u32)f32_to_bf16(b.x) | ((u32)f32_to_bf16(b.y) << 16);
+            out.w = (u32)f32_to_bf16(b.z) | ((u32)f32_to_bf16(b.w) << 16);
+        }
+        *(uint4*)(tile + swz(r, c)) = out;
+    }
+}
+
+__device__ __forceinline__ void ldmatrix_x2(u32 addr, u32& a, u32& b) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(a), "=r"(b) : "r"(addr));
+}
+
+// Grid: (blocks per sequence, sequences). Each block loads the sequence's Q
+// once, then walks tiles of FM_TILE chunks. Warp (row group, scorer, head
+// group) computes FM_WROWS x FM_WHEADS dot products on the tensor cores,
+// applies relu, the per-chunk scale and the head weights, and reduces over its
+// heads; the block combines head groups and scorers (ensemble) per chunk.
+// Key rows must be 16-byte aligned (checked on the host).
+extern "C" __global__ void __launch_bounds__(FM_SCORE_THREADS)
+fm_score(ScoreBatch B, u32* err) {
+    extern __shared__ __align__(128) u8 smem[];
+    u8* sh_q = smem;
+    u8* sh_tiles = smem + FM_Q_BYTES;  // [2][FM_TILE_BYTES]
+    float* sh_part = (float*)(sh_tiles + 2 * FM_TILE_BYTES);
+    u32* sh_hist = (u32*)(sh_part + FM_SCORERS * FM_HGROUPS * FM_TILE);
+    wait_prerequisites();  // q and w come from the projection kernel
+    const ScoreSeq& S = B.seq[blockIdx.y];
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
+    const u32 rgroup = warp / (FM_SCORERS * FM_HGROUPS);
+    const u32 sh_idx = warp % (FM_SCORERS * FM_HGROUPS);  // scorer * FM_HGROUPS + head group
+    const u32 scorer = sh_idx / FM_HGROUPS, hgroup = sh_idx % FM_HGROUPS;
+    const u32 n0 = scorer * FM_HEADS + hgroup * FM_WHEADS;  // first q row of this warp
+
+    for (u32 t = threadIdx.x; t < FM_QROWS * FM_CHUNKS16; t += blockDim.x) {
+        const u32 r = t / FM_CHUNKS16, c = t % FM_CHUNKS16;
+        *(uint4*)(sh_q + swz(r, c)) = *(const uint4*)(S.q + (u64)r * FM_HEAD_DIM + c * 8);
+    }
+    for (u32 i = threadIdx.x; i < FM_HIST; i += blockDim.x) sh_hist[i] = 0;
+    // This thread's head weights: columns 2*(lane%4)+{0,1} of each 8-wide n-tile.
+    float wv[FM_WHEADS / 8][2];
+#pragma unroll
+    for (u32 nt = 0; nt < FM_WHEADS / 8; ++nt) {
+        wv[nt][0] = S.w[n0 + nt * 8 + 2 * (lane & 3u)];
+        wv[nt][1] = S.w[n0 + nt * 8 + 2 * (lane & 3u) + 1];
+    }
+    bool bad = false;
+    u32 bad_chunk = 0;
+    const u32 tiles = (S.n + FM_TILE - 1) / FM_TILE;
+    Fp8Regs next_fp8;
+    // Prologue: the first tile into buffer 0.
+    if (blockIdx.x < tiles) {
+        const u32 c0 = blockIdx.x * FM_TILE;
+        if (B.dtype == FM_KEYS_BF16) issue_tile_bf16(S, c0, sh_tiles);
+        else if (B.dtype == FM_KEYS_FP8_E4M3) {
+            load_tile_fp8(S, c0, next_fp8);
+            store_tile_fp8(next_fp8, sh_tiles);
+        } else stage_tile_f32(S, c0, sh_tiles);
+    }
+    u32 buf = 0;
+    for (u32 tile = blockIdx.x; tile < tiles; tile += gridDim.x, buf ^= 1u) {
+        const u32 c0 = tile * FM_TILE;
+        const u32 next = tile + gridDim.x;
+        u8* sh_tile = sh_tiles + buf * FM_TILE_BYTES;
+        u8* sh_next = sh_tiles + (buf ^ 1u) * FM_TILE_BYTES;
+        if (B.dtype == FM_KEYS_BF16) cp_async_wait_all();
+        __syncthreads();  // this tile is staged; the other buffer and sh_part are free
+        // Start the next tile's loads; they land while this one is computed.
+        if (next < tiles) {
+            if (B.dtype == FM_KEYS_BF16) issue_tile_bf16(S, next * FM_TILE, sh_next);
+            else if (B.dtype == FM_KEYS_FP8_E4M3) load_tile_fp8(S, next * FM_TILE, next_fp8);
+        }
+
+        float acc[FM_WROWS / 16][FM_WHEADS / 8][4];
+#pragma unroll
+        for (u32 m = 0; m < FM_WROWS / 16; ++m)
+#pragma unroll
+            for (u32 nt = 0; nt < FM_WHEADS / 8; ++nt)
+#pragma unroll
+                for (u32 j = 0; j < 4; ++j) acc[m][nt][j] = 0.f;
+
+        const u32 tile_base = smem_addr(sh_tile), q_base = smem_addr(sh_q);
+#pragma unroll
+        for (u32 ks = 0; ks < FM_KSTEPS; ++ks) {
+            u32 a[FM_WROWS / 16][4];
+#pragma unroll
+            for (u32 m = 0; m < FM_WROWS / 16; ++m) {
+                const u32 r = rgroup * FM_WROWS + m * 16 + (lane & 15u);
+                ldmatrix_x4(tile_base + swz(r, ks * 2 + (lane >> 4)), a[m][0], a[m][1], a[m][2], a[m][3]);
+            }
+#pragma unroll
+            for (u32 np = 0; np < FM_WHEADS / 16; ++np) {
+                u32 b0, b1, b2, b3;
+                const u32 r = n0 + np * 16 + (lane & 7u) + ((lane >> 4) << 3);
+                ldmatrix_x4(q_base + swz(r, ks * 2 + ((lane >> 3) & 1u)), b0, b1, b2, b3);
+#pragma unroll
+                for (u32 m = 0; m < FM_WROWS / 16; ++m) {
+                    mma_bf16(acc[m][2 * np], a[m], b0, b1);
+                    mma_bf16(acc[m][2 * np + 1], a[m], b2, b3);
+                }
+            }
+            if (FM_WHEADS % 16 == 8) {  // a last single 8-head n-tile
+                constexpr u32 nt = FM_WHEADS / 8 - 1;
+                u32 b0, b1;
+                const u32 r = n0 + nt * 8 + (lane & 7u);
+                ldmatrix_x2(q_base + swz(r, ks * 2 + ((lane >> 3) & 1u)), b0, b1);
+#pragma unroll
+                for (u32 m = 0; m < FM_WROWS / 16; ++m) mma_bf16(acc[m][nt], a[m], b0, b1);
+            }
+        }
+
+        // Epilogue: rows lane/4 and lane/4 + 8 of each 16-row m-tile.
+#pragma unroll
+        for (u32 m = 0; m < FM_WROWS / 16; ++m) {
+#pragma unroll
+            for (u32 half = 0; half < 2; ++half) {
+                const u32 row = rgroup * FM_WROWS + m * 16 + (lane >> 2) + half * 8;
+                const u32 chunk = c0 + row;
+                const float scale = (B.dtype == FM_KEYS_FP8_E4M3 && chunk < S.n) ? S.scales[chunk] : 1.f;
+                float s = 0.f;
+                bool finite = true;
+#pragma unroll
+                for (u32 nt = 0; nt < FM_WHEADS / 8; ++nt) {
+#pragma unroll
+                    for (u32 j = 0; j < 2; ++j) {
+                        const float d = acc[m][nt][half * 2 + j];
+                        finite &= isfinite(d);
+                        const float x = d * scale;
+                        s = fmaf(wv[nt][j], x > 0.f ? x : 0.f, s);
+                    }
+                }
+                s += __shfl_xor_sync(FM_FULL, s, 1);
+                s += __shfl_xor_sync(FM_FULL, s, 2);
+                if ((lane & 3u) == 0) sh_part[sh_idx * FM_TILE + row] = s;
+                if (!finite && chunk < S.n) {
+                    bad = true;
+                    bad_chunk = chunk;
+                }
+            }
+        }
+        __syncthreads();
+        for (u32 row = threadIdx.x; row < FM_TILE; row += blockDim.x) {
+            const u32 chunk = c0 + row;
+            if (chunk >= S.n) continue;
+            float ens = 0.f;
+#pragma unroll
+            for (u32 i = 0; i < FM_SCORERS; ++i) {
+                float si = 0.f;
+#pragma unroll
+                for (u32 g = 0; g < FM_HGROUPS; ++g) si += sh_part[(i * FM_HGROUPS + g) * FM_TILE + row];
+                ens = B.mean ? ens + si : (i == 0 ? si : fmaxf(ens, si));
+            }
+            if (B.mean) ens *= 1.f / FM_SCORERS;
+            if (!isfinite(ens)) {
+                bad = true;
+                bad_chunk = chunk;
+                ens = -3.0e38f;
+            }
+            const u32 k = sort_key(ens);
+            S.skey[chunk] = k;
+            atomicAdd(&sh_hist[k >> (32 - FM_HIST_BITS)], 1u);
+        }
+        if (next < tiles) {
+            if (B.dtype == FM_KEYS_FP8_E4M3) store_tile_fp8(next_fp8, sh_next);
+            else if (B.dtype == FM_KEYS_F32) stage_tile_f32(S, next * FM_TILE, sh_next);
+        }
+    }
+    if (bad) record_error(err, FM_ERR_SCORE, bad_chunk, blockIdx.y);
+    allow_dependents();  // the selection may start launching as blocks finish
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < FM_HIST; i += blockDim.x)
+        if (sh_hist[i]) atomicAdd(&S.hist[i], sh_hist[i]);
+}
+
+// ------------------------------------------- training-free (Quest-style) scorer
+
+// score(c) = sum_d max(q_d * min[c][d], q_d * max[c][d]); bounds f32, rows of
+// `dim` floats. One warp per chunk.
+extern "C" __global__ void fm_bounds_score(const float* q, const float* bmin, const float* bmax, u32 dim, u32 n,
+                                           u32* skey, u32* hist, u32* err) {
+    __shared__ u32 sh_hist[FM_HIST];
+    for (u32 i = threadIdx.x; i < FM_HIST; i += blockDim.x) sh_hist[i] = 0;
+    __syncthreads();
+    const u32 lane = threadIdx.x & 31u;
+    const u32 warps = gridDim.x * (blockDim.x >> 5);
+    for (u32 c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); c < n; c += warps) {
+        const float* lo = bmin + (u64)c * dim;
+        const float* hi = bmax + (u64)c * dim;
+        float s = 0.f;
+        for (u32 d = lane; d < dim; d += 32) s += fmaxf(q[d] * lo[d], q[d] * hi[d]);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(FM_FULL, s, off);
+        if (lane == 0) {
+            if (!isfinite(s)) {
+                record_error(err, FM_ERR_SCORE, c, 0);
+                s = -3.0e38f;
+            }
+            const u32 k = sort_key(s);
+            skey[c] = k;
+            atomicAdd(&sh_hist[k >> (32 - FM_HIST_BITS)], 1u);
+        }
+    }
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < FM_HIST; i += blockDim.x)
+        if (sh_hist[i]) atomicAdd(&hist[i], sh_hist[i]);
+}
+
+// ------------------------------------------------------------------- top-k
+
+// Per-sequence selection state; zero between calls (the last block resets it).
+struct SelectState {
+    u32 n_sure;
+    u32 n_tie;
+    u32 done;
+    u32 pad;
+};
+
+struct SelectSeq {
+    const u32* skey;   // [n]
+    u32* hist;         // [FM_HIST]
+    SelectState* st;
+    u32* sure;         // [k] candidates above the threshold bin
+    u32* tie;          // [n] candidates in the threshold bin
+    i32* out;          // [k] result
+    u32 n;
+    u32 pad;
+};
+
+struct SelectBatch {
+    u32 n_seqs;
+    u32 k;
+    SelectSeq seq[FM_MAX_BATCH];
+};
+
+#define FM_SEL_THREADS 1024
+#define FM_RANK_MAX 2048   // room for candidates in shared memory
+#define FM_RANK_SMALL 256  // a boundary group this small is ranked by counting
+
+// Appends `v` to list[*count] for every lane with `want` set: one atomic per
+// warp (lanes keep their order within the warp).
+__device__ __forceinline__ void warp_append(bool want, u32 v, u32* count, u32* list) {
+    const u32 mask = __ballot_sync(FM_FULL, want);
+    if (mask == 0) return;
+    const u32 lane = threadIdx.x & 31u;
+    u32 base = 0;
+    if (lane == __ffs(mask) - 1) base = atomicAdd(count, (u32)__popc(mask));
+    base = __shfl_sync(FM_FULL, base, __ffs(mask) - 1);
+    if (want) list[base + __popc(mask & ((1u << lane) - 1u))] = v;
+}
+
+__device__ __forceinline__ u64 key64(u32 skey, u32 id) { return ((u64)skey << 32) | (u64)(0xFFFFFFFFu - id); }
+
+// The threshold bin: the highest bin b with count(bins > b) < want <= count(bins >= b).
+// Returns b and writes the count above it. Every thread gets the result.
+__device__ u32 threshold_bin(const u32* hist, u32 want, u32* above_out) {
+    __shared__ u32 s_bin, s_above;
+    // Suffix sums from the top: thread t owns bins [FM_HIST - (t+1)*per, FM_HIST - t*per).
+    const u32 per = FM_HIST / blockDim.x;  // blockDim.x divides FM_HIST
+    const u32 hi = FM_HIST - threadIdx.x * per;
+    u32 local = 0;
+    for (u32 b = hi - per; b < hi; ++b) local += hist[b];
+    u32 total;
+    const u32 before = block_exclusive_sum(local, &total);  // count in bins above this thread's run
+    if (threadIdx.x == 0) {
+        s_bin = 0;
+        s_above = 0;
+    }
+    __syncthreads();
+    if (before < want && before + local >= want) {
+        u32 acc = before;
+        for (u32 b = hi; b-- > hi - per;) {
+            if (acc + hist[b] >= want) {
+                s_bin = b;
+                s_above = acc;
+                break;
+            }
+            acc += hist[b];
+        }
+    }
+    __syncthreads();
+    *above_out = s_above;
+    return s_bin;
+}
+
+// Ranks `m` unique 64-bit keys held in shared memory by counting: rank = how
+// many keys are larger. Calls emit(i, rank) for each.
+template <typename Emit>
+__device__ void rank_by_count(const u64* keys, u32 m, Emit emit) {
+    for (u32 i = threadIdx.x; i < m; i += blockDim.x) {
+        const u64 k = keys[i];
+        u32 r = 0;
+        for (u32 j = 0; j < m; ++j) r += keys[j] > k;
+        emit(i, r);
+    }
+}
+
+// Narrows `keys[0..m)` (shared memory) to the top `want` by key64 with 8-bit
+// radix passes below the FM_HIST_BITS already equal, appending the certain
+// ones to `fin`, until the boundary group is small; then ranks that group by
+// counting. One block.
+__device__ void select_in_smem(u64* keys, u32 m, u32 want, u64* fin, u32* nfin) {
+    __shared__ u32 s_hist[256];
+    __shared__ u32 s_digit, s_above, s_cnt;
+    u64 prefix = 0, mask = 0;
+    int shift = 64 - FM_HIST_BITS;
+    u32 group = m;
+    while (group > FM_RANK_SMALL && shift > 0) {
+        shift = shift >= 8 ? shift - 8 : 0;
+        for (u32 i = threadIdx.x; i < 256; i += blockDim.x) s_hist[i] = 0;
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < m; i += blockDim.x)
+            if ((keys[i] & mask) == prefix) atomicAdd(&s_hist[(keys[i] >> shift) & 0xffu], 1u);
+        __syncthreads();
+        if (threadIdx.x < 32) {  // one warp finds the digit: suffix sums over 256 bins
+            u32 acc = 0, digit = 0, above = 0;
+            bool found = false;
+            for (int d = 255; d >= 0 && !found; --d) {
+                if (acc + s_hist[d] >= want) {
+                    digit = (u32)d;
+                    above = acc;
+                    found = true;
+                } else acc += s_hist[d];
+            }
+            if (threadIdx.x == 0) {
+                s_digit = digit;
+                s_above = above;
+            }
+        }
+        __syncthreads();
+        const u32 digit = s_digit;
+        for (u32 i = threadIdx.x; i < m; i += blockDim.x)
+            if ((keys[i] & mask) == prefix && ((keys[i] >> shift) & 0xffu) > digit) fin[atomicAdd(nfin, 1u)] = keys[i];
+        want -= s_above;
+        group = s_hist[digit];
+        prefix |= (u64)digit << shift;
+        mask |= (u64)0xff << shift;
+        __syncthreads();
+    }
+    // Compact the boundary group to the front and rank it.
+    if (threadIdx.x == 0) s_cnt = 0;
+    __syncthreads();
+    u64 mine[2];
+    u32 nmine = 0;
+    for (u32 i = threadIdx.x; i < m; i += blockDim.x)
+        if ((keys[i] & mask) == prefix && nmine < 2) mine[nmine++] = keys[i];
+    __syncthreads();
+    for (u32 j = 0; j < nmine; ++j) keys[atomicAdd(&s_cnt, 1u)] = mine[j];
+    __syncthreads();
+    const u32 g = s_cnt;
+    rank_by_count(keys, g, [&](u32 i, u32 r) {
+        if (r < want) fin[atomicAdd(nfin, 1u)] = keys[i];
+    });
+    __syncthreads();
+}
+
+// Exact top-`want` of the candidates in `tie` (global, `nt` of them) by
+// key64, appended to `fin` (at *nfin). When they fit, they are loaded into
+// shared memory once; otherwise 8-bit radix passes over global memory narrow
+// them first. One block.
+__device__ void select_ties(const SelectSeq& S, u32 nt, u32 want, u64* fin, u32* nfin, u64* scratch) {
+    __shared__ u32 s_hist[256];
+    __shared__ u32 s_digit, s_above, s_cnt;
+    u64 prefix = 0, mask = 0;
+    int shift = 64 - FM_HIST_BITS;
+    u32 group = nt;
+    // Narrow over global memory until the boundary group fits in shared memory.
+    while (group > FM_RANK_MAX && shift > 0) {
+        shift = shift >= 8 ? shift - 8 : 0;
+        for (u32 i = threadIdx.x; i < 256; i += blockDim.x) s_hist[i] = 0;
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < nt; i += blockDim.x) {
+            const u32 id = S.tie[i];
+            const u64 k = key64(S.skey[id], id);
+            if ((k & mask) == prefix) atomicAdd(&s_hist[(k >> shift) & 0xffu], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 acc = 0;
+            for (int d = 255; d >= 0; --d) {
+                if (acc + s_hist[d] >= want) {
+                    s_digit = (u32)d;
+                    s_above = acc;
+                    break;
+                }
+                acc += s_hist[d];
+            }
+        }
+        __syncthreads();
+        const u32 digit = s_digit;
+        for (u32 i = threadIdx.x; i < nt; i += blockDim.x) {
+            const u32 id = S.tie[i];
+            const u64 k = key64(S.skey[id], id);
+            if ((k & mask) == prefix && ((k >> shift) & 0xffu) > digit) fin[atomicAdd(nfin, 1u)] = k;
+        }
+        want -= s_above;
+        prefix |= (u64)digit << shift;
+        mask |= (u64)0xff << shift;
+        group = s_hist[digit];
+        __syncthreads();
+    }
+    // Load the boundary group into shared memory once.
+    if (threadIdx.x == 0) s_cnt = 0;
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < nt; i += blockDim.x) {
+        const u32 id = S.tie[i];
+        const u64 k = key64(S.skey[id], id);
+        if ((k & mask) == prefix) scratch[atomicAdd(&s_cnt, 1u)] = k;
+    }
+    __syncthreads();
+    select_in_smem(scratch, s_cnt, want, fin, nfin);
+}
+
+// Grid: (blocks per sequence, sequences), FM_SEL_THREADS threads.
+extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS)
+fm_select(SelectBatch B, const u32* err) {
+    extern __shared__ u64 sh_keys[];  // fin [FM_RANK_MAX] | scratch [FM_RANK_MAX]
+    __shared__ u32 s_last, s_nfin;
+    wait_prerequisites();  // skey and hist come from the scoring kernel
+    const SelectSeq& S = B.seq[blockIdx.y];
+    const u32 want = min(B.k, S.n);
+    u32 above;
+    const u32 bin = threshold_bin(S.hist, want, &above);
+    // Candidates: bins above the threshold are in the top-k for sure.
+    const u32 per_block = (S.n + gridDim.x - 1) / gridDim.x;
+    const u32 lo = blockIdx.x * per_block, hi = min(S.n, lo + per_block);
+    for (u32 c0 = lo; c0 < hi; c0 += blockDim.x) {  // uniform trip count: whole warps ballot
+        const u32 c = c0 + threadIdx.x;
+        const u32 b = c < hi ? S.skey[c] >> (32 - FM_HIST_BITS) : 0u;
+        warp_append(c < hi && b > bin, c, &S.st->n_sure, S.sure);
+        warp_append(c < hi && b == bin, c, &S.st->n_tie, S.tie);
+    }
+    // The last block of this sequence to finish picks the result.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(&S.st->done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    const u32 ns = *(volatile u32*)&S.st->n_sure, nt = *(volatile u32*)&S.st->n_tie;
+    u64* fin = sh_keys;
+    u64* scratch = sh_keys + FM_RANK_MAX;
+    if (threadIdx.x == 0) s_nfin = 0;
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < ns; i += blockDim.x) {
+        const u32 id = ((volatile u32*)S.sure)[i];
+        fin[i] = key64(S.skey[id], id);
+    }
+    if (threadIdx.x == 0) s_nfin = ns;
+    __syncthreads();
+    select_ties(S, nt, want - ns, fin, &s_nfin, scratch);
+    const bool failed = err[0] != 0;
+    // Sort by rank and write ids; -1 past min(k, n) or after an error.
+    for (u32 i = threadIdx.x; i < B.k; i += blockDim.x) S.out[i] = -1;
+    __syncthreads();
+    if (!failed) {
+        rank_by_count(fin, want, [&](u32 i, u32 r) { S.out[r] = (i32)(0xFFFFFFFFu - (u32)fin[i]); });
+    }
+    // Leave the state zeroed for the next call.
+    for (u32 i = threadIdx.x; i < FM_HIST; i += blockDim.x) S.hist[i] = 0;
+    if (threadIdx.x == 0) {
+        S.st->n_sure = 0;
+        S.st->n_tie = 0;
+        S.st->done = 0;
+    }
+}

@@ -1,0 +1,687 @@
+//! The FlashMemory scorer on CUDA (kernels/scorer.cu): projections (one GEMV
+//! over all scorers, weights read once per batch of up to 64 sequences),
+//! tensor-core scoring with the ensemble fused in, and an exact top-k. Three
+//! launches per call, chained by programmatic dependent launch on Hopper; no
+//! host synchronisation unless `sync` is set, so a decode step can be
+//! captured in a CUDA graph (scorer -> swap-in -> attention).
+//!
+//! Errors found on the device (non-finite hidden values, non-finite scores)
+//! turn the output into -1 padding and are recorded; with `sync` the call
+//! waits and returns them, otherwise `sync_errors` (fm_scorer_sync) does.
+
+use super::driver::{self, CUstream, Device, DeviceBuffer, Kernel, Module, PinnedBuffer};
+use crate::backend::{BackendKind, StreamHandle};
+use crate::config::Ensemble;
+use crate::error::{Error, KvswapStatus, Result};
+use crate::scorer::backend::{BoundsBackend, BoundsRef, KeysRef, ScorerBackend, SeqRef};
+use crate::scorer::{args, Checkpoint, KeyDtype, WeightDtype};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Sequences per launch (`FM_MAX_BATCH` in kernels/scorer.cu).
+pub const MAX_BATCH: usize = 64;
+const HIST: usize = 4096;
+const TOPK_MAX: usize = 2048;
+const SEL_THREADS: u32 = 1024;
+/// Dynamic shared memory of fm_project_*_b{1,8,64}: MAXB x KT x 4 bytes.
+const PROJECT_SMEM: [u32; 3] = [4096 * 4, 8 * 1024 * 4, 64 * 256 * 4];
+/// Weight rows per projection block (`FM_PROJ_ROWS`, one warp each).
+const PROJECT_ROWS: u32 = 16;
+const ERR_HIDDEN: u32 = 1;
+const ERR_SCORE: u32 = 2;
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct ProjSeq {
+    hidden: u64,
+    q: u64,
+    w: u64,
+}
+
+#[repr(C)]
+struct ProjBatch {
+    n: u32,
+    seq: [ProjSeq; MAX_BATCH],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct ScoreSeq {
+    keys: u64,
+    scales: u64,
+    q: u64,
+    w: u64,
+    skey: u64,
+    hist: u64,
+    stride: u32,
+    n: u32,
+}
+
+#[repr(C)]
+struct ScoreBatch {
+    n_seqs: u32,
+    dtype: u32,
+    mean: u32,
+    pad: u32,
+    seq: [ScoreSeq; MAX_BATCH],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct SelectSeq {
+    skey: u64,
+    hist: u64,
+    st: u64,
+    sure: u64,
+    tie: u64,
+    out: u64,
+    n: u32,
+    pad: u32,
+}
+
+#[repr(C)]
+struct SelectBatch {
+    n_seqs: u32,
+    k: u32,
+    seq: [SelectSeq; MAX_BATCH],
+}
+
+/// Per-stream scratch: a stream orders its own calls, so calls on different
+/// streams never share buffers.
+struct Workspace {
+    seqs: usize,
+    chunks: usize,
+    q: DeviceBuffer,
+    w: DeviceBuffer,
+    skey: DeviceBuffer,
+    hist: DeviceBuffer,
+    state: DeviceBuffer,
+    sure: DeviceBuffer,
+    tie: DeviceBuffer,
+    err: DeviceBuffer,
+    readback: PinnedBuffer,
+}
+
+impl Workspace {
+    fn new(seqs: usize, chunks: usize, q_elems: usize, w_elems: usize) -> Result<Workspace> {
+        let ws = Workspace {
+            seqs,
+            chunks,
+            q: DeviceBuffer::alloc(seqs * q_elems * 2, "scorer q")?,
+            w: DeviceBuffer::alloc(seqs * w_elems * 4, "scorer w")?,
+            skey: DeviceBuffer::alloc(seqs * chunks * 4, "scorer keys")?,
+            hist: DeviceBuffer::alloc(seqs * HIST * 4, "scorer histogram")?,
+            state: DeviceBuffer::alloc(seqs * 16, "scorer select state")?,
+            sure: DeviceBuffer::alloc(seqs * TOPK_MAX * 4, "scorer candidates")?,
+            tie: DeviceBuffer::alloc(seqs * chunks * 4, "scorer candidates")?,
+            err: DeviceBuffer::alloc(16, "scorer error")?,
+            readback: PinnedBuffer::alloc(16)?,
+        };
+        Ok(ws)
+    }
+
+    /// Zeroes the histogram, selection state and error record (the kernels
+    /// keep them zeroed afterwards) and waits.
+    fn clear(&self, s: CUstream) -> Result<()> {
+        // SAFETY: each buffer holds the number of words cleared.
+        unsafe {
+            driver::memset_d32_async(self.hist.ptr, 0, self.seqs * HIST, s)?;
+            driver::memset_d32_async(self.state.ptr, 0, self.seqs * 4, s)?;
+            driver::memset_d32_async(self.err.ptr, 0, 4, s)?;
+        }
+        driver::stream_sync(s)
+    }
+
+    /// Reads and clears the error record; the caller has waited for the stream.
+    fn take_error(&self, s: CUstream) -> Result<()> {
+        // SAFETY: readback holds 16 bytes; synced before reading.
+        unsafe { driver::copy_dtoh_async(self.readback.host, self.err.ptr, 16, s)? };
+        driver::stream_sync(s)?;
+        // SAFETY: the copy completed; 4 aligned words.
+        let e = unsafe { std::slice::from_raw_parts(self.readback.host as *const u32, 4) }.to_vec();
+        if e[0] == 0 {
+            return Ok(());
+        }
+        // SAFETY: 4 words of err.
+        unsafe { driver::memset_d32_async(self.err.ptr, 0, 4, s)? };
+        driver::stream_sync(s)?;
+        Err(match e[0] {
+            ERR_HIDDEN => Error::invalid(format!(
+                "hidden: non-finite value (NaN or infinity) in scorer {}'s input at position {}; the top-k was written as -1",
+                e[1], e[2]
+            )),
+            ERR_SCORE => Error::invalid(format!(
+                "chunk {} (sequence {}): non-finite score (a NaN or infinite key or scale, or an f32 overflow); \
+                 the top-k was written as -1",
+                e[1], e[2]
+            )),
+            c => Error::device(format!("scorer: unknown device error code {c}")),
+        })
+    }
+}
+
+struct Launch {
+    device: Device,
+    pdl: bool,
+}
+
+impl Launch {
+    /// Launches `k`, as a programmatic dependent of the previous kernel on
+    /// Hopper (the kernel waits with griddepcontrol.wait).
+    ///
+    /// # Safety
+    /// As `Kernel::launch`.
+    unsafe fn dependent(&self, k: &Kernel, grid: (u32, u32), block: u32, smem: u32, s: CUstream, params: &mut [*mut c_void]) -> Result<()> {
+        // SAFETY: forwarded.
+        unsafe {
+            if self.pdl {
+                k.launch_dependent_2d(grid, block, smem, s, params)
+            } else {
+                k.launch_2d(grid, block, smem, s, params)
+            }
+        }
+    }
+}
+
+/// Stream and pointer checks shared by the scorer and the bounds scorer.
+fn check_stream(device: &Device, stream: StreamHandle) -> Result<CUstream> {
+    let s = stream as CUstream;
+    if s.is_null() || stream == 1 {
+        return Err(Error::invalid(
+            "stream is the legacy default stream (NULL): pass the engine's CUstream (CU_STREAM_PER_THREAD is accepted)",
+        ));
+    }
+    if driver::stream_context(s)? != device.ctx {
+        return Err(Error::new(
+            KvswapStatus::WrongDevice,
+            format!("stream belongs to another CUDA context than device {}'s primary context", device.ordinal),
+        ));
+    }
+    Ok(s)
+}
+
+fn check_device_ptr(device: &Device, ptr: u64, bytes: u64, what: &str) -> Result<()> {
+    let info = driver::pointer_info(ptr)?.ok_or_else(|| {
+        Error::invalid(format!("{what} ({ptr:#x}) is not CUDA memory: on the CUDA backend it must be a device pointer"))
+    })?;
+    const HOST: u32 = 1;
+    if info.memory_type != HOST && info.device_ordinal != device.ordinal {
+        return Err(Error::new(
+            KvswapStatus::WrongDevice,
+            format!("{what} ({ptr:#x}) is memory of device {}, but the scorer is on device {}", info.device_ordinal, device.ordinal),
+        ));
+    }
+    if ptr + bytes > info.range_start + info.range_size {
+        return Err(Error::out_of_range(format!("{what} ({ptr:#x}, {bytes} bytes) runs past the end of its allocation")));
+    }
+    Ok(())
+}
+
+/// The learned scorer on one GPU.
+pub struct CudaScorer {
+    n_scorers: usize,
+    heads: usize,
+    head_dim: usize,
+    hidden: usize,
+    weight_dtype: WeightDtype,
+    weights: DeviceBuffer,
+    project: [Kernel; 3],
+    score: Kernel,
+    select: Kernel,
+    score_smem: u32,
+    sync: bool,
+    workspaces: Mutex<HashMap<u64, Workspace>>,
+    _module: Module,
+    launch: Launch,
+}
+
+// SAFETY: driver handles are usable from any thread with the context bound
+// (every method binds it); the workspaces are behind a mutex.
+unsafe impl Send for CudaScorer {}
+unsafe impl Sync for CudaScorer {}
+
+impl CudaScorer {
+    /// Uploads the checkpoint's weights to `device` (as stored: bf16 stays
+    /// bf16) and compiles the kernels for its shape.
+    pub fn new(ckpt: &Checkpoint, device: i32, sync: bool) -> Result<CudaScorer> {
+        let m = ckpt.meta();
+        let (s, h, d, hidden) = (m.n_scorers as usize, m.n_heads as usize, m.head_dim as usize, m.hidden as usize);
+        let unsupported = |why: String| Error::new(KvswapStatus::Unsupported, format!("CUDA scorer: {why}; use device -1 (the CPU scorer)"));
+        if d % 64 != 0 || d > 256 {
+            return Err(unsupported(format!("head_dim={d} must be 64, 128, 192 or 256")));
+        }
+        if h % 8 != 0 || (h > 64 && h % 64 != 0) {
+            return Err(unsupported(format!("n_heads={h} must be a multiple of 8, and of 64 above 64")));
+        }
+        if hidden % 8 != 0 {
+            return Err(unsupported(format!("hidden={hidden} must be a multiple of 8")));
+        }
+        let dev = Device::open(device)?;
+        let _g = dev.bind()?;
+        let score_smem = (s * h * d * 2 + 2 * 64 * d * 2 + s * (h / h.min(64)) * 64 * 4 + HIST * 4) as u32;
+        if score_smem as i32 > dev.smem_optin - 1024 {
+            return Err(unsupported(format!(
+                "{s} scorers x {h} heads x {d} dims need {score_smem} bytes of shared memory, the device has {}",
+                dev.smem_optin
+            )));
+        }
+        let defines = vec![format!("-DFM_SCORERS={s}"), format!("-DFM_HEADS={h}"), format!("-DFM_HEAD_DIM={d}")];
+        let cubin = super::nvrtc::compile_cached_with("scorer.cu", crate::kernels::SCORER_CU, dev.cc, &defines)?;
+        let module = Module::load(&cubin)?;
+        // All tensors in one dtype (the stored one when they agree, else f32).
+        let tensors: Vec<_> = ckpt.weight_tensors().collect();
+        let dtype = if tensors.iter().all(|t| t.dtype == tensors[0].dtype) { tensors[0].dtype } else { WeightDtype::F32 };
+        let mut image: Vec<u8> = Vec::with_capacity(ckpt.weight_bytes() as usize * if dtype == tensors[0].dtype { 1 } else { 2 });
+        for i in 0..s {
+            let (wq, ww) = ckpt.tensors(i);
+            for t in [wq, ww] {
+                if t.dtype == dtype {
+                    image.extend_from_slice(ckpt.raw(t));
+                } else {
+                    let mat = ckpt.matrix(t);
+                    for r in 0..mat.rows {
+                        for c in 0..mat.cols {
+                            image.extend_from_slice(&mat.get(r, c).to_le_bytes());
+                        }
+                    }
+                }
+            }
+        }
+        let weights = DeviceBuffer::alloc(image.len(), "scorer weights")?;
+        let stream = driver::OwnedStream::new()?;
+        // SAFETY: weights holds image.len() bytes; synced before `image` drops.
+        unsafe { driver::copy_htod_async(weights.ptr, image.as_ptr(), image.len(), stream.0)? };
+        stream.sync()?;
+        let tag = match dtype {
+            WeightDtype::F32 => "f32",
+            WeightDtype::Bf16 => "bf16",
+            WeightDtype::F16 => "f16",
+        };
+        let f = |name: String| -> Result<Kernel> {
+            let c = std::ffi::CString::new(name).unwrap();
+            module.function(&c)
+        };
+        let project = [f(format!("fm_project_{tag}_b1"))?, f(format!("fm_project_{tag}_b8"))?, f(format!("fm_project_{tag}_b64"))?];
+        for (kernel, &bytes) in project.iter().zip(&PROJECT_SMEM) {
+            kernel.set_max_dynamic_smem(bytes as i32)?;
+        }
+        let score = f("fm_score".into())?;
+        score.set_max_dynamic_smem(score_smem as i32)?;
+        let select = f("fm_select".into())?;
+        select.set_max_dynamic_smem((2 * TOPK_MAX * 8) as i32)?;
+        let pdl = dev.cc.0 >= 9;
+        drop(_g);
+        log::info!(
+            "kvswap: fm scorer on cuda device={} scorers={s} heads={h} head_dim={d} hidden={hidden} weights={} ({:.1} MB) sync={}",
+            dev.ordinal,
+            tag,
+            image.len() as f64 / 1e6,
+            sync as u8
+        );
+        Ok(CudaScorer {
+            n_scorers: s,
+            heads: h,
+            head_dim: d,
+            hidden,
+            weight_dtype: dtype,
+            weights,
+            project,
+            score,
+            select,
+            score_smem,
+            sync,
+            workspaces: Mutex::new(HashMap::new()),
+            _module: module,
+            launch: Launch { device: dev, pdl },
+        })
+    }
+
+    fn device(&self) -> &Device {
+        &self.launch.device
+    }
+
+    fn q_elems(&self) -> usize {
+        self.n_scorers * self.heads * self.head_dim
+    }
+
+    fn w_elems(&self) -> usize {
+        self.n_scorers * self.heads
+    }
+
+    /// The workspace of stream `s`, grown to `seqs` x `chunks` if needed
+    /// (not while the stream is being captured).
+    fn workspace<'a>(&self, map: &'a mut HashMap<u64, Workspace>, s: CUstream, seqs: usize, chunks: usize) -> Result<&'a Workspace> {
+        let key = s as u64;
+        let fits = map.get(&key).is_some_and(|w| w.seqs >= seqs && w.chunks >= chunks);
+        if !fits {
+            if driver::is_capturing(s)? {
+                return Err(Error::invalid(format!(
+                    "the scorer's workspace for this stream is smaller than this call ({seqs} sequences x {chunks} chunks) \
+                     and cannot grow while the stream is captured: run the call once before capturing"
+                )));
+            }
+            let (old_s, old_c) = map.get(&key).map(|w| (w.seqs, w.chunks)).unwrap_or((0, 0));
+            let ws = Workspace::new(seqs.max(old_s), chunks.max(old_c).next_power_of_two(), self.q_elems(), self.w_elems())?;
+            ws.clear(s)?;
+            map.insert(key, ws);
+        }
+        Ok(map.get(&key).unwrap())
+    }
+
+    fn check_keys(&self, k: &KeysRef, n: usize, what: &str) -> Result<u32> {
+        let stride = args::key_stride(k.dtype, k.row_stride, self.head_dim)?;
+        let align = match k.dtype {
+            KeyDtype::Fp8E4m3 => 8,
+            _ => 16,
+        };
+        if k.data % align != 0 || stride % align as usize != 0 {
+            return Err(Error::invalid(format!(
+                "{what}: the CUDA scorer reads {} key rows 16 bytes at a time: data and row stride must be \
+                 {align}-byte aligned (data {:#x}, stride {stride})",
+                k.dtype.name(),
+                k.data
+            )));
+        }
+        let stride32 = u32::try_from(stride).map_err(|_| Error::invalid(format!("{what}: key row stride {stride} is above 4 GiB")))?;
+        check_device_ptr(self.device(), k.data, args::key_bytes(stride, k.dtype, self.head_dim, n)? as u64, &format!("{what}keys.data"))?;
+        if k.dtype == KeyDtype::Fp8E4m3 {
+            check_device_ptr(self.device(), k.scales, 4 * n as u64, &format!("{what}keys.scales"))?;
+        }
+        Ok(stride32)
+    }
+
+    /// Scores a batch whose q and w are either projected from `hidden` (the
+    /// ABI) or given (`qw`: per sequence the bf16 q and f32 w, for the
+    /// benchmark's "score" scope).
+    unsafe fn run(&self, seqs: &[SeqRef], qw: Option<&[(u64, u64)]>, k: usize, ensemble: Ensemble, stream: StreamHandle) -> Result<()> {
+        let dev = self.device();
+        let _g = dev.bind()?;
+        let s = check_stream(dev, stream)?;
+        if self.sync && driver::is_capturing(s)? {
+            return Err(Error::invalid("KVSWAP_SYNC=1 waits for the device and cannot be captured in a CUDA graph; use KVSWAP_SYNC=0"));
+        }
+        let mut strides = Vec::with_capacity(seqs.len());
+        for (i, q) in seqs.iter().enumerate() {
+            let what = if seqs.len() > 1 { format!("seqs[{i}].") } else { String::new() };
+            strides.push(self.check_keys(&q.keys, q.n_chunks, &what)?);
+            check_device_ptr(dev, q.out, 4 * k as u64, &format!("{what}out_indices"))?;
+            if qw.is_none() {
+                check_device_ptr(dev, q.hidden, 4 * (self.n_scorers * self.hidden) as u64, &format!("{what}hidden"))?;
+            }
+        }
+        let max_chunks = seqs.iter().map(|q| q.n_chunks).max().unwrap_or(1);
+        let mut map = self.workspaces.lock().unwrap_or_else(|p| p.into_inner());
+        let ws = self.workspace(&mut map, s, seqs.len().min(MAX_BATCH), max_chunks)?;
+        let sm = dev.sm_count as u32;
+        for (g, group) in seqs.chunks(MAX_BATCH).enumerate() {
+            let b = group.len();
+            let base = g * MAX_BATCH;
+            let q_at = |i: usize| qw.map(|v| v[base + i].0).unwrap_or(ws.q.ptr + (i * self.q_elems() * 2) as u64);
+            let w_at = |i: usize| qw.map(|v| v[base + i].1).unwrap_or(ws.w.ptr + (i * self.w_elems() * 4) as u64);
+            let mut err = ws.err.ptr;
+            if qw.is_none() {
+                let mut pb = ProjBatch { n: b as u32, seq: [ProjSeq::default(); MAX_BATCH] };
+                for (i, q) in group.iter().enumerate() {
+                    pb.seq[i] = ProjSeq { hidden: q.hidden, q: q_at(i), w: w_at(i) };
+                }
+                let which = if b == 1 { 0 } else if b <= 8 { 1 } else { 2 };
+                let kernel = &self.project[which];
+                let rows = (self.heads * self.head_dim + self.heads) as u32;
+                let (mut wptr, mut hid) = (self.weights.ptr, self.hidden as u32);
+                let mut params = [
+                    &mut wptr as *mut u64 as *mut c_void,
+                    &mut hid as *mut u32 as *mut c_void,
+                    &mut pb as *mut ProjBatch as *mut c_void,
+                    &mut err as *mut u64 as *mut c_void,
+                ];
+                // SAFETY: parameters match fm_project_*(const T*, u32, ProjBatch, u32*);
+                // hidden and q/w buffers were checked / sized above.
+                unsafe { kernel.launch_2d((rows.div_ceil(PROJECT_ROWS), self.n_scorers as u32), 32 * PROJECT_ROWS, PROJECT_SMEM[which], s, &mut params)? };
+            }
+            let mut sb = ScoreBatch {
+                n_seqs: b as u32,
+                dtype: group[0].keys.dtype.code(),
+                mean: (ensemble == Ensemble::Mean) as u32,
+                pad: 0,
+                seq: [ScoreSeq::default(); MAX_BATCH],
+            };
+            let mut sel = SelectBatch { n_seqs: b as u32, k: k as u32, seq: [SelectSeq::default(); MAX_BATCH] };
+            for (i, q) in group.iter().enumerate() {
+                if q.keys.dtype != group[0].keys.dtype {
+                    // One dtype per launch: split mixed batches.
+                    drop(map);
+                    return self.run_split(seqs, qw, k, ensemble, stream);
+                }
+                let skey = ws.skey.ptr + (i * ws.chunks * 4) as u64;
+                let hist = ws.hist.ptr + (i * HIST * 4) as u64;
+                sb.seq[i] = ScoreSeq {
+                    keys: q.keys.data,
+                    scales: q.keys.scales,
+                    q: q_at(i),
+                    w: w_at(i),
+                    skey,
+                    hist,
+                    stride: strides[base + i],
+                    n: q.n_chunks as u32,
+                };
+                sel.seq[i] = SelectSeq {
+                    skey,
+                    hist,
+                    st: ws.state.ptr + (i * 16) as u64,
+                    sure: ws.sure.ptr + (i * TOPK_MAX * 4) as u64,
+                    tie: ws.tie.ptr + (i * ws.chunks * 4) as u64,
+                    out: q.out,
+                    n: q.n_chunks as u32,
+                    pad: 0,
+                };
+            }
+            let tiles = group.iter().map(|q| q.n_chunks.div_ceil(64)).max().unwrap_or(1) as u32;
+            let per_seq = tiles.min((2 * sm / b as u32).max(1));
+            let mut params = [&mut sb as *mut ScoreBatch as *mut c_void, &mut err as *mut u64 as *mut c_void];
+            // SAFETY: parameters match fm_score(ScoreBatch, u32*); keys checked above.
+            unsafe { self.launch.dependent(&self.score, (per_seq, b as u32), 32 * score_warps(self.n_scorers, self.heads), self.score_smem, s, &mut params)? };
+            let sel_blocks = (max_chunks as u32).div_ceil(SEL_THREADS * 8).clamp(1, (sm / b as u32).max(1));
+            let mut params = [&mut sel as *mut SelectBatch as *mut c_void, &mut err as *mut u64 as *mut c_void];
+            // SAFETY: parameters match fm_select(SelectBatch, const u32*).
+            unsafe { self.launch.dependent(&self.select, (sel_blocks, b as u32), SEL_THREADS, (2 * TOPK_MAX * 8) as u32, s, &mut params)? };
+        }
+        if self.sync {
+            driver::stream_sync(s)?;
+            ws.take_error(s)?;
+        }
+        Ok(())
+    }
+
+    /// A batch mixing key dtypes: one launch sequence per dtype.
+    unsafe fn run_split(&self, seqs: &[SeqRef], qw: Option<&[(u64, u64)]>, k: usize, e: Ensemble, stream: StreamHandle) -> Result<()> {
+        for dt in [KeyDtype::F32, KeyDtype::Bf16, KeyDtype::Fp8E4m3] {
+            let idx: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].keys.dtype == dt).collect();
+            if idx.is_empty() {
+                continue;
+            }
+            let part: Vec<SeqRef> = idx.iter().map(|&i| seqs[i]).collect();
+            let part_qw: Option<Vec<(u64, u64)>> = qw.map(|v| idx.iter().map(|&i| v[i]).collect());
+            // SAFETY: a subset of the caller's sequences.
+            unsafe { self.run(&part, part_qw.as_deref(), k, e, stream)? };
+        }
+        Ok(())
+    }
+
+    /// Scores with q (bf16, `[scorers*heads][head_dim]`) and w (f32,
+    /// `[scorers*heads]`) given, skipping the projections: the part that
+    /// grows with context (benchmarks).
+    ///
+    /// # Safety
+    /// As `score_topk`; `qw[i]` are device buffers of those sizes.
+    pub unsafe fn score_with_qw(&self, seqs: &[SeqRef], qw: &[(u64, u64)], k: usize, e: Ensemble, stream: StreamHandle) -> Result<()> {
+        for q in seqs {
+            args::check_n_chunks(q.n_chunks)?;
+        }
+        // SAFETY: forwarded.
+        unsafe { self.run(seqs, Some(qw), k, e, stream) }
+    }
+
+    /// Waits for `stream` and returns (and clears) an error an earlier
+    /// asynchronous call recorded on it.
+    pub fn sync_errors(&self, stream: StreamHandle) -> Result<()> {
+        let _g = self.device().bind()?;
+        let s = check_stream(self.device(), stream)?;
+        driver::stream_sync(s)?;
+        let map = self.workspaces.lock().unwrap_or_else(|p| p.into_inner());
+        match map.get(&(s as u64)) {
+            Some(ws) => ws.take_error(s),
+            None => Ok(()),
+        }
+    }
+
+    /// Bytes of the weights on the device and their dtype.
+    pub fn weights(&self) -> (u64, WeightDtype) {
+        (self.weights.bytes as u64, self.weight_dtype)
+    }
+}
+
+fn score_warps(scorers: usize, heads: usize) -> u32 {
+    (2 * scorers * (heads / heads.min(64))) as u32
+}
+
+impl Drop for CudaScorer {
+    fn drop(&mut self) {
+        if let Ok(_g) = self.launch.device.bind() {
+            self.workspaces.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        }
+    }
+}
+
+impl ScorerBackend for CudaScorer {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cuda
+    }
+    fn device(&self) -> i32 {
+        self.launch.device.ordinal
+    }
+    fn describe(&self) -> String {
+        let d = self.device();
+        format!("cuda device={} name=\"{}\" sm_{}{} tensor-core scorer", d.ordinal, d.name, d.cc.0, d.cc.1)
+    }
+    unsafe fn score_topk(&self, seq: &SeqRef, k: usize, ensemble: Ensemble, stream: StreamHandle) -> Result<()> {
+        // SAFETY: forwarded caller contract.
+        unsafe { self.run(std::slice::from_ref(seq), None, k, ensemble, stream) }
+    }
+    unsafe fn score_topk_batch(&self, seqs: &[SeqRef], k: usize, ensemble: Ensemble, stream: StreamHandle) -> Result<()> {
+        // SAFETY: forwarded caller contract.
+        unsafe { self.run(seqs, None, k, ensemble, stream) }
+    }
+    fn sync_errors(&self, stream: StreamHandle) -> Result<()> {
+        CudaScorer::sync_errors(self, stream)
+    }
+}
+
+/// The key-bounds scorer on one GPU (shared by every call on that device).
+pub struct CudaBounds {
+    bounds: Kernel,
+    select: Kernel,
+    sync: bool,
+    workspaces: Mutex<HashMap<u64, Workspace>>,
+    _module: Module,
+    launch: Launch,
+}
+
+// SAFETY: as CudaScorer.
+unsafe impl Send for CudaBounds {}
+unsafe impl Sync for CudaBounds {}
+
+impl CudaBounds {
+    /// The bounds scorer of `device`, created once per process.
+    pub fn get(device: i32, sync: bool) -> Result<Arc<CudaBounds>> {
+        static ALL: OnceLock<Mutex<HashMap<(i32, bool), Arc<CudaBounds>>>> = OnceLock::new();
+        let all = ALL.get_or_init(Default::default);
+        let mut map = all.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = map.get(&(device, sync)) {
+            return Ok(b.clone());
+        }
+        let dev = Device::open(device)?;
+        let _g = dev.bind()?;
+        let cubin = super::nvrtc::compile_cached("scorer.cu", crate::kernels::SCORER_CU, dev.cc)?;
+        let module = Module::load(&cubin)?;
+        let bounds = module.function(c"fm_bounds_score")?;
+        let select = module.function(c"fm_select")?;
+        select.set_max_dynamic_smem((2 * TOPK_MAX * 8) as i32)?;
+        let pdl = dev.cc.0 >= 9;
+        drop(_g);
+        let b = Arc::new(CudaBounds { bounds, select, sync, workspaces: Mutex::new(HashMap::new()), _module: module, launch: Launch { device: dev, pdl } });
+        map.insert((device, sync), b.clone());
+        Ok(b)
+    }
+}
+
+/// Forwards to the shared per-device instance.
+pub struct CudaBoundsHandle(pub Arc<CudaBounds>);
+
+impl BoundsBackend for CudaBoundsHandle {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cuda
+    }
+    unsafe fn bounds_topk(&self, b: &BoundsRef, k: usize, stream: StreamHandle) -> Result<()> {
+        let me = &*self.0;
+        let dev = &me.launch.device;
+        let _g = dev.bind()?;
+        let s = check_stream(dev, stream)?;
+        if me.sync && driver::is_capturing(s)? {
+            return Err(Error::invalid("KVSWAP_SYNC=1 cannot be captured in a CUDA graph; use KVSWAP_SYNC=0"));
+        }
+        let bytes = (b.n_chunks * b.dim * 4) as u64;
+        check_device_ptr(dev, b.query, 4 * b.dim as u64, "query")?;
+        check_device_ptr(dev, b.min, bytes, "bounds_min")?;
+        check_device_ptr(dev, b.max, bytes, "bounds_max")?;
+        check_device_ptr(dev, b.out, 4 * k as u64, "out_indices")?;
+        let mut map = me.workspaces.lock().unwrap_or_else(|p| p.into_inner());
+        let key = s as u64;
+        if !map.get(&key).is_some_and(|w| w.chunks >= b.n_chunks) {
+            if driver::is_capturing(s)? {
+                return Err(Error::invalid("the bounds workspace cannot grow while the stream is captured: run the call once before capturing"));
+            }
+            let ws = Workspace::new(1, b.n_chunks.next_power_of_two(), 0, 0)?;
+            ws.clear(s)?;
+            map.insert(key, ws);
+        }
+        let ws = map.get(&key).unwrap();
+        let sm = dev.sm_count as u32;
+        let (mut q, mut lo, mut hi, mut dim, mut n) = (b.query, b.min, b.max, b.dim as u32, b.n_chunks as u32);
+        let (mut skey, mut hist, mut err) = (ws.skey.ptr, ws.hist.ptr, ws.err.ptr);
+        let mut params = [
+            &mut q as *mut u64 as *mut c_void,
+            &mut lo as *mut u64 as *mut c_void,
+            &mut hi as *mut u64 as *mut c_void,
+            &mut dim as *mut u32 as *mut c_void,
+            &mut n as *mut u32 as *mut c_void,
+            &mut skey as *mut u64 as *mut c_void,
+            &mut hist as *mut u64 as *mut c_void,
+            &mut err as *mut u64 as *mut c_void,
+        ];
+        let grid = (b.n_chunks as u32).div_ceil(8).clamp(1, 8 * sm);
+        // SAFETY: parameters match fm_bounds_score(const float*, const float*,
+        // const float*, u32, u32, u32*, u32*, u32*); buffers checked above.
+        unsafe { me.bounds.launch_2d((grid, 1), 256, 0, s, &mut params)? };
+        let mut sel = SelectBatch { n_seqs: 1, k: k as u32, seq: [SelectSeq::default(); MAX_BATCH] };
+        sel.seq[0] = SelectSeq {
+            skey: ws.skey.ptr,
+            hist: ws.hist.ptr,
+            st: ws.state.ptr,
+            sure: ws.sure.ptr,
+            tie: ws.tie.ptr,
+            out: b.out,
+            n: b.n_chunks as u32,
+            pad: 0,
+        };
+        let blocks = (b.n_chunks as u32).div_ceil(SEL_THREADS * 8).clamp(1, sm);
+        let mut params = [&mut sel as *mut SelectBatch as *mut c_void, &mut err as *mut u64 as *mut c_void];
+        // SAFETY: parameters match fm_select(SelectBatch, const u32*).
+        unsafe { me.launch.dependent(&me.select, (blocks, 1), SEL_THREADS, (2 * TOPK_MAX * 8) as u32, s, &mut params)? };
+        if me.sync {
+            driver::stream_sync(s)?;
+            ws.take_error(s)?;
+        }
+        Ok(())
+    }
+}

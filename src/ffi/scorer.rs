@@ -1,0 +1,364 @@
+//! The C ABI of the FlashMemory scorer (`fm_*`): loading a checkpoint,
+//! scoring chunks and writing the top-k, batched scoring, and the
+//! training-free key-bounds scorer. Same rules as the rest of the ABI:
+//! status codes, checked pointers, out-parameters written only on success,
+//! no panic across the boundary, `kvswap_last_error()` for the text.
+//!
+//! The functions take raw pointers from C and are not `unsafe fn`: what a
+//! pointer must point to is the C caller's contract, documented on each one.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
+use super::{boundary, check_null, write_out, KvswapStream};
+use crate::config::{KvswapEnsemble, KVSWAP_ENSEMBLE_MAX, KVSWAP_ENSEMBLE_MEAN};
+use crate::config::Ensemble;
+use crate::error::{Error, KvswapStatus, Result};
+use crate::scorer::backend::{BoundsRef, KeysRef, SeqRef};
+use crate::scorer::keys::FmKeyDtype;
+use crate::scorer::{self, args, KeyDtype, Scorer};
+use std::ffi::{c_char, c_void, CStr};
+use std::path::PathBuf;
+
+/// Opaque handle to a loaded FlashMemory scorer. Create with
+/// `fm_scorer_load`, free with `fm_scorer_free`. Scoring calls may run on
+/// several threads at once with the same handle.
+pub struct FmScorer {
+    inner: Scorer,
+}
+
+/// Indexer keys: one row per chunk (per token for `fm_bounds_build`), each
+/// of `head_dim` elements (`dim` for `fm_bounds_build`). On the CUDA backend
+/// `data` and `scales` are device pointers; on the CPU, host pointers.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct FmKeys {
+    /// Row 0 of the keys, aligned to the element size.
+    pub data: *const c_void,
+    /// `FM_KEYS_FP8_E4M3` only: one f32 scale per row (key = fp8 x scale).
+    /// Ignored for the other types (may be NULL).
+    pub scales: *const f32,
+    /// Bytes from one row to the next: 0 means dense (row size); otherwise a
+    /// multiple of the element size, at least the row size.
+    pub row_stride_bytes: usize,
+    /// `FM_KEYS_F32`, `FM_KEYS_BF16` or `FM_KEYS_FP8_E4M3`.
+    pub dtype: FmKeyDtype,
+}
+
+/// One sequence of `fm_score_topk_batch`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct FmSeq {
+    /// `n_scorers x hidden` f32 (see `FmScorerInfo`): scorer i's input starts
+    /// at element `i * hidden`.
+    pub hidden: *const f32,
+    /// The sequence's chunk keys.
+    pub keys: FmKeys,
+    /// Chunks to score, 1 to FM_MAX_CHUNKS.
+    pub n_chunks: usize,
+    /// Room for k int32: the top-k chunk ids (-1 padded).
+    pub out_indices: *mut i32,
+}
+
+/// What a loaded scorer holds, from `fm_scorer_info`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FmScorerInfo {
+    /// Scorer heads; the hidden input of a call holds n_scorers x hidden f32.
+    pub n_scorers: u32,
+    /// Width of each scorer's hidden input.
+    pub hidden: u32,
+    /// Heads per scorer.
+    pub n_heads: u32,
+    /// Elements per key (and per head).
+    pub head_dim: u32,
+    /// `KVSWAP_ENSEMBLE_MAX` or `KVSWAP_ENSEMBLE_MEAN`, as now in force.
+    pub ensemble: KvswapEnsemble,
+    /// -1 for the CPU backend, else the CUDA device ordinal.
+    pub device: i32,
+    /// Bytes of the weight tensors as stored in the checkpoint.
+    pub weight_bytes: u64,
+}
+
+fn scorer_ref<'a>(s: *const FmScorer) -> Result<&'a Scorer> {
+    check_null(s, "scorer")?;
+    // SAFETY: non-NULL handles come from fm_scorer_load and stay valid until
+    // fm_scorer_free, per the API contract.
+    Ok(unsafe { &(*s).inner })
+}
+
+fn keys_ref(k: &FmKeys) -> Result<KeysRef> {
+    Ok(KeysRef {
+        data: k.data as u64,
+        scales: k.scales as u64,
+        row_stride: k.row_stride_bytes,
+        dtype: KeyDtype::from_code(k.dtype)?,
+    })
+}
+
+fn path_arg(path: *const c_char) -> Result<PathBuf> {
+    check_null(path, "path")?;
+    // SAFETY: non-NULL; the engine promises a NUL-terminated string.
+    let bytes = unsafe { CStr::from_ptr(path) }.to_bytes();
+    if bytes.is_empty() {
+        return Err(Error::invalid("path is empty"));
+    }
+    #[cfg(unix)]
+    let p = PathBuf::from(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(bytes));
+    #[cfg(not(unix))]
+    let p = PathBuf::from(std::str::from_utf8(bytes).map_err(|_| Error::invalid("path is not valid UTF-8"))?);
+    Ok(p)
+}
+
+/// Loads a FlashMemory checkpoint (safetensors, format `flashmemory-v1`)
+/// and writes a scorer handle to `*out`. `device` -1 scores on the CPU
+/// (the reference); a CUDA ordinal >= 0 gives `KVSWAP_STATUS_NO_DEVICE` while
+/// no CUDA scorer backend is available.
+/// Errors: `KVSWAP_STATUS_IO` for a missing or unreadable file;
+/// `KVSWAP_STATUS_BAD_CHECKPOINT` for a wrong format tag, a missing or
+/// malformed metadata field, a missing or mis-shaped tensor, an unsupported
+/// dtype (F32, F16 and BF16 are accepted) or a NaN/Inf weight, the message
+/// naming the field or tensor, what was expected and what was found.
+#[no_mangle]
+pub extern "C" fn fm_scorer_load(path: *const c_char, device: i32, out: *mut *mut FmScorer) -> KvswapStatus {
+    boundary("fm_scorer_load", || {
+        check_null(out, "out")?;
+        let scorer = Scorer::load(&path_arg(path)?, device)?;
+        write_out(out, Box::into_raw(Box::new(FmScorer { inner: scorer })));
+        Ok(())
+    })
+}
+
+/// Frees a scorer. NULL is a no-op. No other call may use `scorer` during
+/// or after this one, and no device work using it may still be pending.
+#[no_mangle]
+pub extern "C" fn fm_scorer_free(scorer: *mut FmScorer) {
+    boundary("fm_scorer_free", || {
+        if !scorer.is_null() {
+            // SAFETY: created by Box::into_raw in fm_scorer_load.
+            drop(unsafe { Box::from_raw(scorer) });
+        }
+        Ok(())
+    });
+}
+
+/// Writes the shape and settings of a loaded scorer to `*out`.
+#[no_mangle]
+pub extern "C" fn fm_scorer_info(scorer: *const FmScorer, out: *mut FmScorerInfo) -> KvswapStatus {
+    boundary("fm_scorer_info", || {
+        let s = scorer_ref(scorer)?;
+        check_null(out, "out")?;
+        let m = s.meta();
+        write_out(
+            out,
+            FmScorerInfo {
+                n_scorers: m.n_scorers,
+                hidden: m.hidden,
+                n_heads: m.n_heads,
+                head_dim: m.head_dim,
+                ensemble: scorer::ensemble_code(s.ensemble()),
+                device: s.device(),
+                weight_bytes: s.checkpoint().weight_bytes(),
+            },
+        );
+        Ok(())
+    })
+}
+
+/// Waits for `stream` and returns the error an earlier call on it recorded
+/// on the device, clearing it. With `KVSWAP_SYNC=0` on the CUDA backend a
+/// call does not wait: a NaN or infinite hidden value, key or scale then
+/// writes the top-k as -1 and is reported here (or by the next call made
+/// with `KVSWAP_SYNC=1`). On the CPU backend errors are returned at once and
+/// this returns KVSWAP_STATUS_OK.
+#[no_mangle]
+pub extern "C" fn fm_scorer_sync(scorer: *const FmScorer, stream: KvswapStream) -> KvswapStatus {
+    boundary("fm_scorer_sync", || scorer_ref(scorer)?.sync(stream as u64))
+}
+
+/// Overrides the checkpoint's ensemble: `KVSWAP_ENSEMBLE_MAX` or
+/// `KVSWAP_ENSEMBLE_MEAN`. Applies to calls that start after it returns.
+#[no_mangle]
+pub extern "C" fn fm_scorer_set_ensemble(scorer: *mut FmScorer, ensemble: KvswapEnsemble) -> KvswapStatus {
+    boundary("fm_scorer_set_ensemble", || {
+        let s = scorer_ref(scorer)?;
+        let e = match ensemble {
+            KVSWAP_ENSEMBLE_MAX => Ensemble::Max,
+            KVSWAP_ENSEMBLE_MEAN => Ensemble::Mean,
+            other => {
+                return Err(Error::invalid(format!(
+                    "ensemble = {other}: expected KVSWAP_ENSEMBLE_MAX (0) or KVSWAP_ENSEMBLE_MEAN (1)"
+                )))
+            }
+        };
+        s.set_ensemble(e);
+        Ok(())
+    })
+}
+
+/// Scores `n_chunks` chunks and writes the top-k chunk ids to
+/// `out_indices[0 .. k)`: descending score, ties to the lower id, padded
+/// with -1 when `n_chunks < k`.
+///
+/// `hidden` holds `n_scorers x hidden` f32 (sizes from `fm_scorer_info`):
+/// scorer i reads the hidden state taken at its own layer, starting at
+/// element `i * hidden`. `keys` describes
+/// one key of `head_dim` elements per chunk, shared by all scorers. For
+/// scorer i: `q = Wq h_i` as `[n_heads][head_dim]`, `w = Ww h_i`,
+/// `s_i(c) = sum over heads h of w[h] * relu(q[h] . key_c)`; the chunk score
+/// is the max or mean of `s_i(c)` over the scorers (`fm_scorer_set_ensemble`).
+///
+/// Limits: `n_chunks` from 1 to FM_MAX_CHUNKS (4,194,304), `k` from 1 to
+/// FM_MAX_TOPK (2048); other values are KVSWAP_STATUS_INVALID_ARGUMENT (0)
+/// or KVSWAP_STATUS_OUT_OF_RANGE (above the limit). A NaN or Inf in `hidden`, the keys or the scales is
+/// `KVSWAP_STATUS_INVALID_ARGUMENT` naming the scorer/chunk and position.
+///
+/// `out_indices` may point into the index buffer of
+/// `kvswap_swap_in_selected`: with `out_indices = indices + window_len` and
+/// `count = k`, that call then turns the selected logical ids into physical
+/// ids (the -1 padding stays -1).
+///
+/// On the CPU backend every pointer is a host pointer and `stream` is
+/// ignored; on CUDA they are device pointers and the work is ordered on
+/// `stream`.
+#[no_mangle]
+pub extern "C" fn fm_score_topk(
+    scorer: *const FmScorer,
+    hidden: *const f32,
+    keys: *const FmKeys,
+    n_chunks: usize,
+    k: u32,
+    out_indices: *mut i32,
+    stream: KvswapStream,
+) -> KvswapStatus {
+    boundary("fm_score_topk", || {
+        let s = scorer_ref(scorer)?;
+        check_null(keys, "keys")?;
+        // SAFETY: non-NULL; the engine promises a valid FmKeys.
+        let keys = keys_ref(unsafe { &*keys })?;
+        let seq = SeqRef { hidden: hidden as u64, keys, n_chunks, out: out_indices as u64 };
+        // SAFETY: the engine promises the sizes documented above; `score_topk`
+        // checks NULL pointers, alignment, limits and strides first.
+        unsafe { s.score_topk(&seq, k, stream as u64) }
+    })
+}
+
+/// Scores `n_seqs` sequences in one call, each as `fm_score_topk` does,
+/// with the same `k` (1 to FM_MAX_TOPK) and `n_seqs` from 1 to FM_MAX_SEQS
+/// (4096).
+/// Every sequence is checked before any is scored, and on failure no
+/// `out_indices` is written; the message names the sequence (`seqs[i]`).
+/// The weights are read once for the whole batch (on CUDA the projections
+/// of all sequences are one matrix product), so a batch is cheaper than
+/// `n_seqs` single calls. `seqs` itself is host memory on every backend.
+#[no_mangle]
+pub extern "C" fn fm_score_topk_batch(
+    scorer: *const FmScorer,
+    n_seqs: usize,
+    seqs: *const FmSeq,
+    k: u32,
+    stream: KvswapStream,
+) -> KvswapStatus {
+    boundary("fm_score_topk_batch", || {
+        let s = scorer_ref(scorer)?;
+        check_null(seqs, "seqs")?;
+        args::check_batch(n_seqs)?;
+        // SAFETY: non-NULL, count checked; the engine promises `n_seqs`
+        // readable FmSeq in host memory.
+        let seqs = unsafe { std::slice::from_raw_parts(seqs, n_seqs) };
+        let refs = seqs
+            .iter()
+            .enumerate()
+            .map(|(i, q)| {
+                let keys = keys_ref(&q.keys).map_err(|e| Error::new(e.status, format!("seqs[{i}].{}", e.message)))?;
+                Ok(SeqRef { hidden: q.hidden as u64, keys, n_chunks: q.n_chunks, out: q.out_indices as u64 })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // SAFETY: as fm_score_topk, for every sequence.
+        unsafe { s.score_topk_batch(&refs, k, stream as u64) }
+    })
+}
+
+/// The training-free scorer (Quest-style): scores chunk c by
+/// `sum over d of max(query[d] * bounds_min[c][d], query[d] * bounds_max[c][d])`
+/// (an upper bound of `query . key` over the chunk's keys) and writes the
+/// top-k ids to `out_indices` by the rules of `fm_score_topk` (the same
+/// limits on `n_chunks` and `k`).
+/// `query` holds `dim` f32 (`dim` from 1 to FM_MAX_BOUNDS_DIM = 65536); `bounds_min` and `bounds_max` hold
+/// `n_chunks x dim` f32 each (see `fm_bounds_build`). Bounds are f32 only:
+/// a narrower type would have to be rounded outwards to stay a bound.
+/// NaN/Inf values, or a minimum above its maximum, are
+/// `KVSWAP_STATUS_INVALID_ARGUMENT`. `device` -1 runs on the CPU (host
+/// pointers, `stream` ignored); a CUDA ordinal gives
+/// `KVSWAP_STATUS_NO_DEVICE` while no CUDA scorer backend is available.
+#[no_mangle]
+pub extern "C" fn fm_bounds_topk(
+    device: i32,
+    query: *const f32,
+    bounds_min: *const f32,
+    bounds_max: *const f32,
+    dim: u32,
+    n_chunks: usize,
+    k: u32,
+    out_indices: *mut i32,
+    stream: KvswapStream,
+) -> KvswapStatus {
+    boundary("fm_bounds_topk", || {
+        args::check_device(device)?;
+        let b = BoundsRef {
+            query: query as u64,
+            min: bounds_min as u64,
+            max: bounds_max as u64,
+            dim: dim as usize,
+            n_chunks,
+            out: out_indices as u64,
+        };
+        // SAFETY: the engine promises the sizes documented above; the
+        // arguments are checked first.
+        unsafe { scorer::bounds_topk(device, &b, k, stream as u64) }
+    })
+}
+
+/// Builds per-chunk key bounds on the CPU (host pointers) for
+/// `fm_bounds_topk`: `keys` holds `n_tokens` rows of `dim` elements (f32,
+/// bf16, or fp8 e4m3 with one scale per token row); chunk c covers tokens
+/// `c * chunk_tokens` up to `chunk_tokens` of them (the last chunk may be
+/// shorter). Writes the element-wise minimum to `out_min` and maximum to
+/// `out_max`, each `ceil(n_tokens / chunk_tokens) x dim` f32. f32 and bf16
+/// keys give exact bounds; fp8 x scale is rounded outwards to f32. NaN/Inf
+/// keys are `KVSWAP_STATUS_INVALID_ARGUMENT` naming the token and element.
+#[no_mangle]
+pub extern "C" fn fm_bounds_build(
+    keys: *const FmKeys,
+    n_tokens: usize,
+    dim: u32,
+    chunk_tokens: u32,
+    out_min: *mut f32,
+    out_max: *mut f32,
+) -> KvswapStatus {
+    boundary("fm_bounds_build", || {
+        check_null(keys, "keys")?;
+        check_null(out_min, "out_min")?;
+        check_null(out_max, "out_max")?;
+        // SAFETY: non-NULL; the engine promises a valid FmKeys.
+        let k = keys_ref(unsafe { &*keys })?;
+        scorer::bounds::check_dim(dim as usize)?;
+        if n_tokens == 0 || chunk_tokens == 0 {
+            return Err(Error::invalid(format!("n_tokens = {n_tokens}, chunk_tokens = {chunk_tokens}: both must be >= 1")));
+        }
+        args::check_keys(&k, dim as usize, n_tokens, "")?;
+        args::check_ptr(out_min as u64, 4, "out_min")?;
+        args::check_ptr(out_max as u64, 4, "out_max")?;
+        let (min, max) = {
+            // SAFETY: checked above; the engine promises `n_tokens` readable
+            // key rows (and scales) in host memory.
+            let view = unsafe { scorer::cpu::host_keys(&k, dim as usize, n_tokens)? }.labelled("token");
+            scorer::bounds::build(&view, chunk_tokens as usize)?
+        };
+        // SAFETY: the engine promises room for ceil(n_tokens / chunk_tokens)
+        // x dim f32 at each output, not overlapping the keys or each other.
+        unsafe {
+            std::ptr::copy_nonoverlapping(min.as_ptr(), out_min, min.len());
+            std::ptr::copy_nonoverlapping(max.as_ptr(), out_max, max.len());
+        }
+        Ok(())
+    })
+}

@@ -1,0 +1,188 @@
+//! Scoring backends: the `ScorerBackend` and `BoundsBackend` traits, the
+//! argument records they take, and the constructor hooks that pick an
+//! implementation for a device (-1: the CPU reference in `cpu`; >= 0: CUDA).
+//!
+//! # Plugging in the CUDA scorer
+//!
+//! 1. Implement [`ScorerBackend`] for a CUDA type, e.g. in
+//!    `src/backend/cuda/scorer.rs`. Its constructor gets the
+//!    [`Checkpoint`]: upload each tensor with `Checkpoint::raw` and its
+//!    `TensorEntry::dtype` as stored (bf16 stays bf16), once.
+//! 2. Return it from [`cuda_scorer`] (and a bounds backend from
+//!    [`cuda_bounds`]) under `#[cfg(feature = "cuda")]`. Nothing else
+//!    changes: the C ABI, the argument checks (`args`) and the tests go
+//!    through [`open_scorer`].
+//!
+//! Contract for every implementation (the CPU one is the reference):
+//! - The addresses in [`SeqRef`] / [`BoundsRef`] are in the backend's memory
+//!   space (device pointers on CUDA), already checked for NULL, alignment,
+//!   limits and strides by `args`.
+//! - The result for each sequence is the top-k of the reference scores
+//!   (`reference::chunk_scores`) by score descending, id ascending, padded
+//!   with -1; a device may differ only where reference scores tie within
+//!   rounding.
+//! - A NaN or infinite value in the hidden input, keys, scales, query or
+//!   bounds is `KVSWAP_STATUS_INVALID_ARGUMENT`, never a result (a device
+//!   kernel can raise a flag that the call reads back).
+//! - A batch reads the weights once for all sequences: on CUDA the
+//!   projections of B hidden states are one GEMM over `[B, hidden]`.
+//! - The work is ordered on `stream` (ignored on the CPU).
+
+use super::checkpoint::Checkpoint;
+use super::cpu::{CpuBounds, CpuScorer};
+use super::dtype::KeyDtype;
+use crate::backend::{BackendKind, StreamHandle};
+use crate::config::Ensemble;
+#[cfg(not(feature = "cuda"))]
+use crate::error::{Error, KvswapStatus};
+use crate::error::Result;
+use std::sync::Arc;
+
+/// Indexer keys of one call, by address in the backend's memory space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeysRef {
+    /// First byte of row 0.
+    pub data: u64,
+    /// fp8 only: one f32 scale per row (0 otherwise).
+    pub scales: u64,
+    /// Bytes between rows; 0 means dense.
+    pub row_stride: usize,
+    pub dtype: KeyDtype,
+}
+
+/// One sequence of a scoring call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqRef {
+    /// `n_scorers * hidden` f32: scorer i's input at `i * hidden`.
+    pub hidden: u64,
+    /// One key of `head_dim` per chunk.
+    pub keys: KeysRef,
+    /// Chunks to score.
+    pub n_chunks: usize,
+    /// `k` int32 outputs.
+    pub out: u64,
+}
+
+/// One key-bounds (Quest-style) call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BoundsRef {
+    /// `dim` f32.
+    pub query: u64,
+    /// `n_chunks * dim` f32, the per-chunk element-wise minimum of the keys.
+    pub min: u64,
+    /// `n_chunks * dim` f32, the per-chunk element-wise maximum of the keys.
+    pub max: u64,
+    pub dim: usize,
+    pub n_chunks: usize,
+    /// `k` int32 outputs.
+    pub out: u64,
+}
+
+/// Scores chunks with a loaded checkpoint and writes the top-k.
+pub trait ScorerBackend: Send + Sync {
+    /// CPU or CUDA.
+    fn kind(&self) -> BackendKind;
+
+    /// -1 on the CPU, else the CUDA ordinal.
+    fn device(&self) -> i32;
+
+    /// One line for logs and `fm info`.
+    fn describe(&self) -> String;
+
+    /// Scores one sequence and writes its top-k (`k` entries) to `seq.out`.
+    ///
+    /// # Safety
+    /// Every address of `seq` is valid in the backend's memory space for the
+    /// sizes it describes, and `seq.out` is not accessed by anyone else
+    /// until the work on `stream` is done.
+    unsafe fn score_topk(&self, seq: &SeqRef, k: usize, ensemble: Ensemble, stream: StreamHandle) -> Result<()>;
+
+    /// Scores every sequence of a batch, reading the weights once. On
+    /// failure no output is written (on the CPU; a device backend documents
+    /// its own rule).
+    ///
+    /// # Safety
+    /// As `score_topk` for each sequence; outputs do not overlap.
+    unsafe fn score_topk_batch(&self, seqs: &[SeqRef], k: usize, ensemble: Ensemble, stream: StreamHandle)
+        -> Result<()>;
+
+    /// Waits for `stream` and returns (clearing it) an error that an earlier
+    /// asynchronous call recorded on the device. The CPU reports errors at
+    /// once, so there is never one pending.
+    fn sync_errors(&self, _stream: StreamHandle) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Scores chunks by their key bounds (training-free) and writes the top-k.
+pub trait BoundsBackend: Send + Sync {
+    /// CPU or CUDA.
+    fn kind(&self) -> BackendKind;
+
+    /// Scores `b.n_chunks` chunks and writes the top-k to `b.out`.
+    ///
+    /// # Safety
+    /// Every address of `b` is valid in the backend's memory space for the
+    /// sizes it describes; `b.out` is not accessed by anyone else meanwhile.
+    unsafe fn bounds_topk(&self, b: &BoundsRef, k: usize, stream: StreamHandle) -> Result<()>;
+}
+
+/// The scoring backend for `device`: -1 is the CPU reference, >= 0 a CUDA
+/// ordinal (see [`cuda_scorer`]).
+pub fn open_scorer(ckpt: Arc<Checkpoint>, device: i32) -> Result<Box<dyn ScorerBackend>> {
+    super::args::check_device(device)?;
+    if device == -1 {
+        return Ok(Box::new(CpuScorer::new(ckpt)));
+    }
+    cuda_scorer(ckpt, device)
+}
+
+/// The bounds backend for `device` (-1: CPU, >= 0: CUDA, see [`cuda_bounds`]).
+pub fn open_bounds(device: i32) -> Result<Box<dyn BoundsBackend>> {
+    super::args::check_device(device)?;
+    if device == -1 {
+        return Ok(Box::new(CpuBounds));
+    }
+    cuda_bounds(device)
+}
+
+/// `KVSWAP_SYNC` (or its alias) from the environment: whether a device call
+/// waits and returns its own errors (default 1, as in DESIGN.md).
+#[cfg(feature = "cuda")]
+fn sync_setting() -> Result<bool> {
+    Ok(crate::config::Config::from_env()?.sync)
+}
+
+/// The CUDA scorer bound to `device` (tensor-core kernels, weights uploaded
+/// as stored). `KVSWAP_SYNC` decides whether calls wait for their result.
+#[cfg(feature = "cuda")]
+pub fn cuda_scorer(ckpt: Arc<Checkpoint>, device: i32) -> Result<Box<dyn ScorerBackend>> {
+    Ok(Box::new(crate::backend::cuda::scorer::CudaScorer::new(&ckpt, device, sync_setting()?)?))
+}
+
+/// The CUDA bounds scorer of `device` (one per device and process).
+#[cfg(feature = "cuda")]
+pub fn cuda_bounds(device: i32) -> Result<Box<dyn BoundsBackend>> {
+    let b = crate::backend::cuda::scorer::CudaBounds::get(device, sync_setting()?)?;
+    Ok(Box::new(crate::backend::cuda::scorer::CudaBoundsHandle(b)))
+}
+
+/// Without the `cuda` feature a device ordinal is `KVSWAP_STATUS_NO_DEVICE`.
+#[cfg(not(feature = "cuda"))]
+pub fn cuda_scorer(_ckpt: Arc<Checkpoint>, device: i32) -> Result<Box<dyn ScorerBackend>> {
+    Err(no_cuda_scorer(device))
+}
+
+/// Without the `cuda` feature a device ordinal is `KVSWAP_STATUS_NO_DEVICE`.
+#[cfg(not(feature = "cuda"))]
+pub fn cuda_bounds(device: i32) -> Result<Box<dyn BoundsBackend>> {
+    Err(no_cuda_scorer(device))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn no_cuda_scorer(device: i32) -> Error {
+    Error::new(
+        KvswapStatus::NoDevice,
+        format!("device {device}: no CUDA scorer backend is available in this build; use device -1 (the CPU scorer)"),
+    )
+}

@@ -1,0 +1,377 @@
+//! The `flashmemory-v1` checkpoint: a safetensors file whose metadata holds
+//! `format = flashmemory-v1`, `n_scorers`, `hidden`, `n_heads`, `head_dim`
+//! and `ensemble` (`max` or `mean`), with two tensors per scorer i:
+//!
+//! - `scorers.{i}.wq`, shape `[n_heads*head_dim, hidden]`;
+//! - `scorers.{i}.ww`, shape `[n_heads, hidden]`;
+//!
+//! each F32, F16 or BF16 (tensors may differ), every element finite.
+//! Tensors whose names do not start with `scorers.` are ignored (a training
+//! script may leave its own); any other `scorers.*` name is an error, as it
+//! means the file and `n_scorers` disagree.
+//!
+//! The file is read into memory and parsed by the `safetensors` crate (no
+//! mmap: the file may change on disk later without affecting a loaded
+//! scorer). The raw bytes and dtype of every tensor stay available, so a
+//! device backend uploads bf16 weights as they are.
+
+use super::dtype::WeightDtype;
+use crate::config::Ensemble;
+use crate::error::{Error, KvswapStatus, Result};
+use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::SafeTensors;
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::Path;
+
+/// The value of the `format` metadata field.
+pub const FM_CHECKPOINT_FORMAT: &str = "flashmemory-v1";
+
+// Limits on the checkpoint's dimensions: generous for real models, and small
+// enough that no size computation can overflow and no finite f32 input can
+// make an f64 score overflow.
+const MAX_SCORERS: u64 = 64;
+const MAX_HIDDEN: u64 = 1 << 20;
+const MAX_HEADS: u64 = 4096;
+const MAX_HEAD_DIM: u64 = 4096;
+
+/// The shape and settings of a checkpoint (its metadata).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Meta {
+    /// Scorer heads (3 in the reference engine: layers 10, 12, 20).
+    pub n_scorers: u32,
+    /// Width of each scorer's hidden input.
+    pub hidden: u32,
+    /// Heads per scorer.
+    pub n_heads: u32,
+    /// Elements per head, and per indexer key.
+    pub head_dim: u32,
+    /// How the scorers are combined unless overridden.
+    pub ensemble: Ensemble,
+}
+
+impl Meta {
+    /// Rows of each `wq`: `n_heads * head_dim`.
+    pub fn q_rows(&self) -> usize {
+        self.n_heads as usize * self.head_dim as usize
+    }
+
+    /// Expected shape of `scorers.{i}.wq`.
+    pub fn wq_shape(&self) -> [usize; 2] {
+        [self.q_rows(), self.hidden as usize]
+    }
+
+    /// Expected shape of `scorers.{i}.ww`.
+    pub fn ww_shape(&self) -> [usize; 2] {
+        [self.n_heads as usize, self.hidden as usize]
+    }
+
+    /// f32 values of one call's hidden input: `n_scorers * hidden`.
+    pub fn hidden_len(&self) -> usize {
+        self.n_scorers as usize * self.hidden as usize
+    }
+
+    /// Checks every dimension against the limits.
+    pub fn validate(&self) -> Result<()> {
+        check_dim("n_scorers", self.n_scorers as u64, MAX_SCORERS)?;
+        check_dim("hidden", self.hidden as u64, MAX_HIDDEN)?;
+        check_dim("n_heads", self.n_heads as u64, MAX_HEADS)?;
+        check_dim("head_dim", self.head_dim as u64, MAX_HEAD_DIM)
+    }
+
+    /// The metadata map written to a checkpoint.
+    pub fn to_metadata(&self) -> HashMap<String, String> {
+        [
+            ("format", FM_CHECKPOINT_FORMAT.to_string()),
+            ("n_scorers", self.n_scorers.to_string()),
+            ("hidden", self.hidden.to_string()),
+            ("n_heads", self.n_heads.to_string()),
+            ("head_dim", self.head_dim.to_string()),
+            ("ensemble", super::ensemble_name(self.ensemble).to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    }
+}
+
+fn check_dim(field: &str, v: u64, max: u64) -> Result<()> {
+    if v == 0 || v > max {
+        return Err(bad(format!("metadata `{field}` = {v}: expected an integer in 1..={max}")));
+    }
+    Ok(())
+}
+
+fn bad(message: String) -> Error {
+    Error::new(KvswapStatus::BadCheckpoint, message)
+}
+
+/// The name of scorer `i`'s query projection.
+pub fn wq_name(i: usize) -> String {
+    format!("scorers.{i}.wq")
+}
+
+/// The name of scorer `i`'s head-weight projection.
+pub fn ww_name(i: usize) -> String {
+    format!("scorers.{i}.ww")
+}
+
+/// One weight tensor of a loaded checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorEntry {
+    /// `scorers.{i}.wq` or `scorers.{i}.ww`.
+    pub name: String,
+    /// Element type as stored.
+    pub dtype: WeightDtype,
+    /// `[rows, cols]`, row-major.
+    pub shape: [usize; 2],
+    /// Where its bytes are in the file image.
+    range: Range<usize>,
+}
+
+/// A row-major matrix view over raw little-endian bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct Matrix<'a> {
+    /// `rows * cols * dtype.size()` bytes.
+    pub bytes: &'a [u8],
+    pub dtype: WeightDtype,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl Matrix<'_> {
+    /// Element `(r, c)`, widened exactly.
+    pub fn get(&self, r: usize, c: usize) -> f32 {
+        self.dtype.get(self.bytes, r * self.cols + c)
+    }
+
+    /// Row `r` widened exactly into `out` (`cols` values).
+    pub fn row_into(&self, r: usize, out: &mut [f64]) {
+        let row = &self.bytes[r * self.cols * self.dtype.size()..(r + 1) * self.cols * self.dtype.size()];
+        for (c, o) in out.iter_mut().enumerate().take(self.cols) {
+            *o = self.dtype.get(row, c) as f64;
+        }
+    }
+}
+
+/// A validated checkpoint held in memory.
+#[derive(Debug)]
+pub struct Checkpoint {
+    meta: Meta,
+    /// The whole file.
+    image: Vec<u8>,
+    wq: Vec<TensorEntry>,
+    ww: Vec<TensorEntry>,
+    /// Every tensor of the file (also ignored ones), by offset, for `fm info`.
+    all: Vec<(String, String, Vec<usize>)>,
+}
+
+impl Checkpoint {
+    /// Reads and validates the file at `path`. A missing or unreadable file is
+    /// `KVSWAP_STATUS_IO`; anything wrong inside is `KVSWAP_STATUS_BAD_CHECKPOINT`,
+    /// with a message naming the field or tensor, what was expected and what
+    /// was found.
+    pub fn load(path: &Path) -> Result<Checkpoint> {
+        let image = std::fs::read(path).map_err(|e| {
+            Error::new(KvswapStatus::Io, format!("cannot read checkpoint {}: {e}", path.display()))
+        })?;
+        Checkpoint::from_bytes(image).map_err(|e| Error::new(e.status, format!("checkpoint {}: {}", path.display(), e.message)))
+    }
+
+    /// Validates a checkpoint held in memory (the whole file).
+    pub fn from_bytes(image: Vec<u8>) -> Result<Checkpoint> {
+        let (header_len, st_meta) = SafeTensors::read_metadata(&image).map_err(|e| {
+            bad(format!("not a valid safetensors file ({} bytes; truncated or corrupt?): {e}", image.len()))
+        })?;
+        let data_start = 8 + header_len;
+        let meta = parse_meta(&st_meta)?;
+        check_no_stray_scorers(&st_meta, &meta)?;
+        let mut wq = Vec::with_capacity(meta.n_scorers as usize);
+        let mut ww = Vec::with_capacity(meta.n_scorers as usize);
+        for i in 0..meta.n_scorers as usize {
+            wq.push(entry(&st_meta, &image, data_start, &wq_name(i), meta.wq_shape(), "[n_heads*head_dim, hidden]")?);
+            ww.push(entry(&st_meta, &image, data_start, &ww_name(i), meta.ww_shape(), "[n_heads, hidden]")?);
+        }
+        let all = st_meta
+            .offset_keys()
+            .into_iter()
+            .filter_map(|n| st_meta.info(&n).map(|t| (n.clone(), format!("{:?}", t.dtype), t.shape.clone())))
+            .collect();
+        Ok(Checkpoint { meta, image, wq, ww, all })
+    }
+
+    /// Shape and settings.
+    pub fn meta(&self) -> &Meta {
+        &self.meta
+    }
+
+    /// Size of the file in bytes.
+    pub fn file_bytes(&self) -> u64 {
+        self.image.len() as u64
+    }
+
+    /// Bytes of all weight tensors as stored (what a device backend uploads).
+    pub fn weight_bytes(&self) -> u64 {
+        self.wq.iter().chain(&self.ww).map(|t| t.range.len() as u64).sum()
+    }
+
+    /// The `wq` and `ww` tensors of scorer `i` (`i < n_scorers`).
+    pub fn tensors(&self, i: usize) -> (&TensorEntry, &TensorEntry) {
+        (&self.wq[i], &self.ww[i])
+    }
+
+    /// Every weight tensor, scorer by scorer (`wq` then `ww`).
+    pub fn weight_tensors(&self) -> impl Iterator<Item = &TensorEntry> {
+        self.wq.iter().zip(&self.ww).flat_map(|(q, w)| [q, w])
+    }
+
+    /// Every tensor of the file, ignored ones included: name, dtype, shape.
+    pub fn file_tensors(&self) -> &[(String, String, Vec<usize>)] {
+        &self.all
+    }
+
+    /// The stored little-endian bytes of `t` (a tensor of this checkpoint).
+    pub fn raw(&self, t: &TensorEntry) -> &[u8] {
+        &self.image[t.range.clone()]
+    }
+
+    /// `t` as a matrix view.
+    pub fn matrix(&self, t: &TensorEntry) -> Matrix<'_> {
+        Matrix { bytes: self.raw(t), dtype: t.dtype, rows: t.shape[0], cols: t.shape[1] }
+    }
+
+    /// Scorer `i`'s `wq` as a matrix.
+    pub fn wq(&self, i: usize) -> Matrix<'_> {
+        self.matrix(&self.wq[i])
+    }
+
+    /// Scorer `i`'s `ww` as a matrix.
+    pub fn ww(&self, i: usize) -> Matrix<'_> {
+        self.matrix(&self.ww[i])
+    }
+}
+
+fn parse_meta(st: &Metadata) -> Result<Meta> {
+    let empty = HashMap::new();
+    let m = st.metadata().as_ref().unwrap_or(&empty);
+    let field = |name: &str| -> Result<&String> {
+        m.get(name).ok_or_else(|| bad(format!("metadata has no `{name}` field ({})", expected_field(name))))
+    };
+    let format = field("format")?;
+    if format != FM_CHECKPOINT_FORMAT {
+        return Err(bad(format!("metadata `format` = {format:?}: expected {FM_CHECKPOINT_FORMAT:?}")));
+    }
+    let meta = Meta {
+        n_scorers: int_field("n_scorers", field("n_scorers")?)?,
+        hidden: int_field("hidden", field("hidden")?)?,
+        n_heads: int_field("n_heads", field("n_heads")?)?,
+        head_dim: int_field("head_dim", field("head_dim")?)?,
+        ensemble: ensemble_field(field("ensemble")?)?,
+    };
+    meta.validate()?;
+    Ok(meta)
+}
+
+fn expected_field(name: &str) -> String {
+    match name {
+        "format" => format!("expected format = {FM_CHECKPOINT_FORMAT}"),
+        "ensemble" => "expected max or mean".to_string(),
+        _ => "expected a positive integer".to_string(),
+    }
+}
+
+fn int_field(name: &str, v: &str) -> Result<u32> {
+    v.trim()
+        .parse::<u32>()
+        .map_err(|_| bad(format!("metadata `{name}` = {v:?}: expected a positive integer")))
+}
+
+fn ensemble_field(v: &str) -> Result<Ensemble> {
+    match v.trim() {
+        "max" => Ok(Ensemble::Max),
+        "mean" => Ok(Ensemble::Mean),
+        _ => Err(bad(format!("metadata `ensemble` = {v:?}: expected \"max\" or \"mean\""))),
+    }
+}
+
+/// A `scorers.*` tensor that is not one of the expected names.
+fn check_no_stray_scorers(st: &Metadata, meta: &Meta) -> Result<()> {
+    let expected: Vec<String> = (0..meta.n_scorers as usize).flat_map(|i| [wq_name(i), ww_name(i)]).collect();
+    let mut stray: Vec<String> =
+        st.offset_keys().into_iter().filter(|n| n.starts_with("scorers.") && !expected.contains(n)).collect();
+    stray.sort();
+    match stray.first() {
+        None => Ok(()),
+        Some(n) => Err(bad(format!(
+            "tensor `{n}` is not expected: with n_scorers = {} the scorer tensors are scorers.{{0..{}}}.wq and .ww",
+            meta.n_scorers,
+            meta.n_scorers - 1
+        ))),
+    }
+}
+
+fn entry(st: &Metadata, image: &[u8], data_start: usize, name: &str, shape: [usize; 2], what: &str) -> Result<TensorEntry> {
+    let info: &TensorInfo = st
+        .info(name)
+        .ok_or_else(|| bad(format!("tensor `{name}` is missing: expected shape {shape:?} = {what}, dtype F32, F16 or BF16")))?;
+    let dtype = WeightDtype::from_safetensors(info.dtype)
+        .ok_or_else(|| bad(format!("tensor `{name}` has dtype {:?}: expected F32, F16 or BF16", info.dtype)))?;
+    if info.shape != shape {
+        return Err(bad(format!("tensor `{name}` has shape {:?}: expected {shape:?} = {what}", info.shape)));
+    }
+    // read_metadata checked that the offsets tile the data section exactly.
+    let range = data_start + info.data_offsets.0..data_start + info.data_offsets.1;
+    let t = TensorEntry { name: name.to_string(), dtype, shape, range };
+    check_finite(&t, &image[t.range.clone()])?;
+    Ok(t)
+}
+
+fn check_finite(t: &TensorEntry, bytes: &[u8]) -> Result<()> {
+    let n = t.shape[0] * t.shape[1];
+    match (0..n).find(|&i| !t.dtype.get(bytes, i).is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(bad(format!(
+            "tensor `{}` element [{}, {}] is {}: every weight must be finite",
+            t.name,
+            i / t.shape[1],
+            i % t.shape[1],
+            t.dtype.get(bytes, i)
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scorer::write;
+
+    fn meta() -> Meta {
+        Meta { n_scorers: 2, hidden: 5, n_heads: 3, head_dim: 2, ensemble: Ensemble::Mean }
+    }
+
+    #[test]
+    fn round_trip_in_memory() {
+        let m = meta();
+        let tensors = write::random(&m, WeightDtype::Bf16, 9).unwrap();
+        let c = Checkpoint::from_bytes(write::to_bytes(&m, &tensors).unwrap()).unwrap();
+        assert_eq!(*c.meta(), m);
+        assert_eq!(c.weight_bytes(), 2 * (6 + 3) * 5 * 2);
+        let (wq, ww) = c.tensors(1);
+        assert_eq!((wq.name.as_str(), wq.shape, ww.shape), ("scorers.1.wq", [6, 5], [3, 5]));
+        assert_eq!(c.raw(wq), &tensors[2].data[..]);
+        assert_eq!(c.wq(1).get(4, 3), WeightDtype::Bf16.get(&tensors[2].data, 4 * 5 + 3));
+    }
+
+    #[test]
+    fn metadata_errors_name_the_field() {
+        let mut st_meta = meta().to_metadata();
+        st_meta.remove("ensemble");
+        let tensors = write::random(&meta(), WeightDtype::F32, 1).unwrap();
+        let bytes = safetensors::serialize(tensors.iter().map(|t| (t.name.clone(), t)), Some(st_meta)).unwrap();
+        let e = Checkpoint::from_bytes(bytes).unwrap_err();
+        assert_eq!(e.status, KvswapStatus::BadCheckpoint);
+        assert!(e.message.contains("no `ensemble` field") && e.message.contains("max or mean"), "{}", e.message);
+        let big = Meta { head_dim: 5000, ..meta() };
+        assert!(big.validate().unwrap_err().message.contains("`head_dim` = 5000: expected an integer in 1..=4096"));
+    }
+}

@@ -1,0 +1,184 @@
+//! FlashMemory: the learned chunk scorer of DESIGN.md ("FlashMemory scorer"),
+//! its checkpoint, the CPU reference, top-k, and the training-free
+//! (Quest-style) key-bounds scorer.
+//!
+//! - [`checkpoint`]: the `flashmemory-v1` safetensors file, read and validated
+//!   (raw tensor bytes and dtypes are kept for a device backend to upload).
+//! - [`write`](mod@write): writes checkpoints, including the seeded random ones of
+//!   `kvswap fm init`; [`info`]: what `kvswap fm info` prints.
+//! - [`keys`]: indexer keys (f32, bf16, fp8 e4m3 with per-chunk scales).
+//! - [`reference`](mod@reference): the CPU reference math, f64 accumulation; it *defines*
+//!   the result. [`topk`]: the total order (score desc, id asc).
+//! - [`bounds`]: per-chunk key bounds, their score and their construction.
+//! - [`backend`]: the `ScorerBackend` and `BoundsBackend` traits and the
+//!   constructor hooks where the CUDA implementation plugs in; [`cpu`]: the
+//!   CPU implementations.
+//! - [`args`]: argument checks shared by every backend (limits, strides,
+//!   alignment).
+//!
+//! Limits: `n_chunks` in `1..=`[`FM_MAX_CHUNKS`] (4,194,304), `k` in
+//! `1..=`[`FM_MAX_TOPK`] (2048), a batch of `1..=`[`FM_MAX_SEQS`] (4096)
+//! sequences.
+
+pub mod args;
+pub mod backend;
+pub mod bounds;
+pub mod checkpoint;
+pub mod cpu;
+pub mod dtype;
+pub mod info;
+pub mod keys;
+pub mod reference;
+pub mod topk;
+pub mod write;
+
+pub use backend::{BoundsBackend, BoundsRef, KeysRef, ScorerBackend, SeqRef};
+pub use checkpoint::{Checkpoint, Meta, TensorEntry};
+pub use dtype::{KeyDtype, WeightDtype};
+pub use keys::Keys;
+
+use crate::backend::{BackendKind, StreamHandle};
+use crate::config::Ensemble;
+use crate::error::Result;
+use std::path::Path;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+/// Most chunks one scoring call accepts (4M = 2^22).
+pub const FM_MAX_CHUNKS: usize = 4_194_304;
+/// Largest k of a top-k call.
+pub const FM_MAX_TOPK: u32 = 2048;
+/// Most sequences one batched call accepts.
+pub const FM_MAX_SEQS: usize = 4096;
+
+/// A loaded scorer bound to a backend: the checkpoint, the backend that
+/// scores with it, and the ensemble in force (the checkpoint's until changed).
+///
+/// Scoring takes `&self`, so one scorer may be used from several threads at
+/// once; changing the ensemble affects calls that start afterwards.
+pub struct Scorer {
+    checkpoint: Arc<Checkpoint>,
+    backend: Box<dyn ScorerBackend>,
+    ensemble: AtomicU32,
+}
+
+impl Scorer {
+    /// Loads the checkpoint at `path` and binds it to `device` (-1: CPU,
+    /// >= 0: CUDA ordinal).
+    pub fn load(path: &Path, device: i32) -> Result<Scorer> {
+        args::check_device(device)?;
+        let ckpt = Arc::new(Checkpoint::load(path)?);
+        Scorer::new(ckpt, device)
+    }
+
+    /// Binds an already loaded checkpoint to `device`.
+    pub fn new(checkpoint: Arc<Checkpoint>, device: i32) -> Result<Scorer> {
+        let backend = backend::open_scorer(checkpoint.clone(), device)?;
+        let ensemble = AtomicU32::new(ensemble_code(checkpoint.meta().ensemble));
+        Ok(Scorer { checkpoint, backend, ensemble })
+    }
+
+    /// The checkpoint this scorer scores with.
+    pub fn checkpoint(&self) -> &Arc<Checkpoint> {
+        &self.checkpoint
+    }
+
+    /// Shape and settings of the checkpoint.
+    pub fn meta(&self) -> &Meta {
+        self.checkpoint.meta()
+    }
+
+    /// CPU or CUDA.
+    pub fn backend_kind(&self) -> BackendKind {
+        self.backend.kind()
+    }
+
+    /// -1 on the CPU, else the CUDA ordinal.
+    pub fn device(&self) -> i32 {
+        self.backend.device()
+    }
+
+    /// The ensemble used by the next call.
+    pub fn ensemble(&self) -> Ensemble {
+        ensemble_from_code(self.ensemble.load(Ordering::Relaxed))
+    }
+
+    /// Overrides the checkpoint's ensemble for later calls.
+    pub fn set_ensemble(&self, e: Ensemble) {
+        self.ensemble.store(ensemble_code(e), Ordering::Relaxed);
+    }
+
+    /// Waits for `stream` and returns (clearing it) an error an earlier
+    /// asynchronous call recorded on the device (`KVSWAP_SYNC=0` on CUDA).
+    pub fn sync(&self, stream: StreamHandle) -> Result<()> {
+        self.backend.sync_errors(stream)
+    }
+
+    /// One sequence: checks the arguments, then scores and writes the top-k.
+    ///
+    /// # Safety
+    /// The addresses of `seq` must be valid in the backend's memory space for
+    /// the sizes they describe (`n_scorers * hidden` f32 for the hidden
+    /// input, `n_chunks` key rows, `k` int32 outputs), and the output must
+    /// not be accessed by anyone else during the call.
+    pub unsafe fn score_topk(&self, seq: &SeqRef, k: u32, stream: StreamHandle) -> Result<()> {
+        args::check_k(k)?;
+        args::check_seq(seq, self.meta().head_dim as usize, None)?;
+        // SAFETY: arguments checked above; validity of memory is the caller's
+        // promise, passed on.
+        unsafe { self.backend.score_topk(seq, k as usize, self.ensemble(), stream) }
+    }
+
+    /// A batch of sequences in one call: all are checked before any is
+    /// scored; outputs are written only when every sequence succeeded.
+    ///
+    /// # Safety
+    /// As for `score_topk`, for every sequence; output ranges must not overlap.
+    pub unsafe fn score_topk_batch(&self, seqs: &[SeqRef], k: u32, stream: StreamHandle) -> Result<()> {
+        args::check_k(k)?;
+        args::check_batch(seqs.len())?;
+        for (i, s) in seqs.iter().enumerate() {
+            args::check_seq(s, self.meta().head_dim as usize, Some(i))?;
+        }
+        // SAFETY: as above.
+        unsafe { self.backend.score_topk_batch(seqs, k as usize, self.ensemble(), stream) }
+    }
+}
+
+/// The training-free bounds scorer on `device` (-1: CPU): checks the
+/// arguments, scores and writes the top-k.
+///
+/// # Safety
+/// The addresses of `b` are valid in that device's memory space for the
+/// sizes they describe; `b.out` is not accessed by anyone else meanwhile.
+pub unsafe fn bounds_topk(device: i32, b: &BoundsRef, k: u32, stream: StreamHandle) -> Result<()> {
+    args::check_k(k)?;
+    args::check_bounds(b)?;
+    let backend = backend::open_bounds(device)?;
+    // SAFETY: arguments checked above; memory validity is the caller's promise.
+    unsafe { backend.bounds_topk(b, k as usize, stream) }
+}
+
+/// The C constant of an ensemble.
+pub fn ensemble_code(e: Ensemble) -> u32 {
+    match e {
+        Ensemble::Max => crate::config::KVSWAP_ENSEMBLE_MAX,
+        Ensemble::Mean => crate::config::KVSWAP_ENSEMBLE_MEAN,
+    }
+}
+
+fn ensemble_from_code(c: u32) -> Ensemble {
+    if c == crate::config::KVSWAP_ENSEMBLE_MEAN {
+        Ensemble::Mean
+    } else {
+        Ensemble::Max
+    }
+}
+
+/// The checkpoint's spelling of an ensemble (`max` or `mean`).
+pub fn ensemble_name(e: Ensemble) -> &'static str {
+    match e {
+        Ensemble::Max => "max",
+        Ensemble::Mean => "mean",
+    }
+}

@@ -1,0 +1,334 @@
+//! The CUDA scorer against the CPU reference (f64), on fresh random inputs
+//! and adversarial ones. Needs a GPU: run by `.ci/gpu-run.sh`.
+//!
+//! Tolerance. The tensor cores take q (and f32 keys) rounded to bf16 (unit
+//! roundoff u = 2^-8; bf16 and fp8 keys are exact in bf16) and accumulate in
+//! f32. For chunk c and scorer i the score error is therefore bounded by
+//!   tol_i(c) = 2u * sum_h |w_ih| * |scale_c| * sum_d |q_ihd| |k_cd|
+//! (the factor 2 covers the rounding of both operands and the f32 GEMV and
+//! accumulation, each far smaller). relu is 1-Lipschitz, max and mean are
+//! 1-Lipschitz in the max norm, so the ensemble error is at most max_i tol_i.
+//! The GPU top-k must then equal the reference top-k except for chunks whose
+//! reference score lies within tol of the k-th reference score.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::{scaled, Rng};
+use kvswap::backend::cuda::driver::{self, Device, DeviceBuffer, OwnedStream};
+use kvswap::config::Ensemble;
+use kvswap::scorer::reference::{self, Projection};
+use kvswap::scorer::{write, Checkpoint, KeyDtype, Keys, KeysRef, Meta, Scorer, SeqRef, WeightDtype};
+use std::sync::Arc;
+
+const U: f64 = 1.0 / 256.0;
+
+fn checkpoint(rng: &mut Rng, scorers: u32, heads: u32, head_dim: u32, hidden: u32, dtype: WeightDtype) -> Arc<Checkpoint> {
+    let meta = Meta { n_scorers: scorers, hidden, n_heads: heads, head_dim, ensemble: Ensemble::Max };
+    let tensors = write::random(&meta, dtype, rng.next_u64()).unwrap();
+    Arc::new(Checkpoint::from_bytes(write::to_bytes(&meta, &tensors).unwrap()).unwrap())
+}
+
+fn gauss(rng: &mut Rng) -> f32 {
+    // Box-Muller
+    let u1 = ((rng.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+    let u2 = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+    ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+}
+
+/// Host keys in one dtype, with their decoded f64 rows.
+struct HostKeys {
+    dtype: KeyDtype,
+    bytes: Vec<u8>,
+    scales: Vec<f32>,
+    n: usize,
+    dim: usize,
+}
+
+impl HostKeys {
+    fn random(rng: &mut Rng, dtype: KeyDtype, n: usize, dim: usize, magnitude: f32) -> HostKeys {
+        let vals: Vec<f32> = (0..n * dim).map(|_| gauss(rng) * magnitude).collect();
+        Self::from_values(rng, dtype, &vals, n, dim)
+    }
+    fn from_values(rng: &mut Rng, dtype: KeyDtype, vals: &[f32], n: usize, dim: usize) -> HostKeys {
+        let (bytes, scales) = match dtype {
+            KeyDtype::F32 => (vals.iter().flat_map(|v| v.to_le_bytes()).collect(), vec![]),
+            KeyDtype::Bf16 => (vals.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect(), vec![]),
+            KeyDtype::Fp8E4m3 => {
+                // Random fp8 codes (never NaN: 0x7f / 0xff) and positive scales.
+                let codes: Vec<u8> = (0..n * dim)
+                    .map(|_| loop {
+                        let c = rng.below(256) as u8;
+                        if c & 0x7f != 0x7f {
+                            break c;
+                        }
+                    })
+                    .collect();
+                let scales = (0..n).map(|_| 0.01 + (rng.below(1000) as f32) / 1000.0).collect();
+                (codes, scales)
+            }
+        };
+        HostKeys { dtype, bytes, scales, n, dim }
+    }
+    fn keys(&self) -> Keys<'_> {
+        Keys::new(&self.bytes, self.dtype, if self.scales.is_empty() { None } else { Some(&self.scales) }, 0, self.dim, self.n).unwrap()
+    }
+}
+
+struct Dev {
+    dev: Device,
+    stream: OwnedStream,
+}
+
+impl Dev {
+    fn new() -> Dev {
+        let dev = Device::open(0).unwrap();
+        let g = dev.bind().unwrap();
+        let stream = OwnedStream::new().unwrap();
+        drop(g);
+        Dev { dev, stream }
+    }
+    fn upload(&self, bytes: &[u8]) -> DeviceBuffer {
+        let _g = self.dev.bind().unwrap();
+        let b = DeviceBuffer::alloc(bytes.len().max(16), "test").unwrap();
+        unsafe { driver::copy_htod_async(b.ptr, bytes.as_ptr(), bytes.len(), self.stream.0).unwrap() };
+        self.stream.sync().unwrap();
+        b
+    }
+    fn download_i32(&self, b: &DeviceBuffer, n: usize) -> Vec<i32> {
+        let _g = self.dev.bind().unwrap();
+        let mut v = vec![0i32; n];
+        unsafe { driver::copy_dtoh_async(v.as_mut_ptr() as *mut u8, b.ptr, 4 * n, self.stream.0).unwrap() };
+        self.stream.sync().unwrap();
+        v
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Runs the CUDA scorer on one sequence; returns its k outputs (or the error).
+fn gpu_topk(d: &Dev, scorer: &Scorer, hidden: &[f32], keys: &HostKeys, k: u32) -> kvswap::Result<Vec<i32>> {
+    let h = d.upload(&f32_bytes(hidden));
+    let kb = d.upload(&keys.bytes);
+    let sc = d.upload(&f32_bytes(&keys.scales));
+    let out = d.upload(&vec![0x5au8; 4 * k as usize]); // poisoned
+    let seq = SeqRef {
+        hidden: h.ptr,
+        keys: KeysRef { data: kb.ptr, scales: if keys.scales.is_empty() { 0 } else { sc.ptr }, row_stride: 0, dtype: keys.dtype },
+        n_chunks: keys.n,
+        out: out.ptr,
+    };
+    let r = unsafe { scorer.score_topk(&seq, k, d.stream.0 as u64) };
+    let got = d.download_i32(&out, k as usize);
+    r.map(|_| got)
+}
+
+/// Reference scores and per-chunk tolerance (see the file comment).
+fn reference_with_tolerance(ckpt: &Checkpoint, e: Ensemble, hidden: &[f32], keys: &HostKeys) -> (Vec<f64>, Vec<f64>) {
+    let projs: Vec<Projection> = reference::project_batch(ckpt, &[hidden]).pop().unwrap();
+    let k = keys.keys();
+    let scores = reference::ensemble_scores(&projs, &k, e).unwrap();
+    let dim = keys.dim;
+    let mut row = vec![0f64; dim];
+    let mut tol = Vec::with_capacity(keys.n);
+    for c in 0..keys.n {
+        k.row_into(c, &mut row).unwrap();
+        let t = projs
+            .iter()
+            .map(|p| {
+                p.w.iter()
+                    .enumerate()
+                    .map(|(h, w)| w.abs() * p.q[h * dim..(h + 1) * dim].iter().zip(&row).map(|(q, x)| (q * x).abs()).sum::<f64>())
+                    .sum::<f64>()
+            })
+            .fold(0.0, f64::max);
+        tol.push(2.0 * U * t + 1e-30);
+    }
+    (scores, tol)
+}
+
+/// The GPU top-k equals the reference one up to ties within tolerance.
+fn check_topk(got: &[i32], scores: &[f64], tol: &[f64], k: usize, what: &str) {
+    let n = scores.len();
+    let want = k.min(n);
+    let exact = kvswap::scorer::topk::topk(scores, k);
+    assert!(got[want..].iter().all(|&x| x == -1), "{what}: padding");
+    let mut seen = vec![false; n];
+    for &c in &got[..want] {
+        assert!(c >= 0 && (c as usize) < n, "{what}: id {c} out of range");
+        assert!(!seen[c as usize], "{what}: id {c} twice");
+        seen[c as usize] = true;
+    }
+    let kth = scores[exact[want - 1] as usize];
+    let kth_tol = tol[exact[want - 1] as usize];
+    let mut differing = 0;
+    for c in 0..n {
+        let in_ref = exact[..want].contains(&(c as i32));
+        if seen[c] != in_ref {
+            differing += 1;
+            assert!(
+                (scores[c] - kth).abs() <= tol[c] + kth_tol,
+                "{what}: chunk {c} (score {}, tol {}) {} the GPU top-k but the k-th reference score is {kth}",
+                scores[c],
+                tol[c],
+                if seen[c] { "is in" } else { "is missing from" }
+            );
+        }
+    }
+    // Order: descending up to tolerance.
+    for w in got[..want].windows(2) {
+        let (a, b) = (w[0] as usize, w[1] as usize);
+        assert!(scores[a] + tol[a] + tol[b] >= scores[b], "{what}: {a} ({}) before {b} ({})", scores[a], scores[b]);
+    }
+    eprintln!("{what}: {want} selected, {} differ from the reference inside the tolerance", differing / 2);
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_scorer_matches_reference_on_random_inputs() {
+    let mut rng = Rng::fresh("scorer gpu random");
+    let d = Dev::new();
+    for (shape, wdt) in [((3u32, 64u32, 128u32, 512u32), WeightDtype::Bf16), ((2, 16, 64, 256), WeightDtype::F32), ((1, 8, 128, 64), WeightDtype::F16)] {
+        let ckpt = checkpoint(&mut rng, shape.0, shape.1, shape.2, shape.3, wdt);
+        let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
+        for dtype in [KeyDtype::Bf16, KeyDtype::Fp8E4m3, KeyDtype::F32] {
+            for e in [Ensemble::Max, Ensemble::Mean] {
+                scorer.set_ensemble(e);
+                let n = 1000 + rng.below(scaled(20_000) as u64) as usize;
+                let k = [1u32, 64, 512, 2048][rng.below(4) as usize];
+                let hidden: Vec<f32> = (0..(shape.0 * shape.3) as usize).map(|_| gauss(&mut rng)).collect();
+                let keys = HostKeys::random(&mut rng, dtype, n, shape.2 as usize, 1.0);
+                let got = gpu_topk(&d, &scorer, &hidden, &keys, k).unwrap();
+                let (scores, tol) = reference_with_tolerance(&ckpt, e, &hidden, &keys);
+                check_topk(&got, &scores, &tol, k as usize, &format!("{shape:?} {wdt:?} {dtype:?} {e:?} n={n} k={k}"));
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_scorer_adversarial_inputs() {
+    let mut rng = Rng::fresh("scorer gpu adversarial");
+    let d = Dev::new();
+    let (s, h, dim, hid) = (3u32, 64u32, 128u32, 512u32);
+    let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
+    let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
+    let hidden: Vec<f32> = (0..(s * hid) as usize).map(|_| gauss(&mut rng)).collect();
+    // All keys equal: every score equal, the top-k is ids 0..k-1 exactly.
+    let row: Vec<f32> = (0..dim).map(|_| gauss(&mut rng)).collect();
+    let vals: Vec<f32> = (0..5000).flat_map(|_| row.clone()).collect();
+    let keys = HostKeys::from_values(&mut rng, KeyDtype::Bf16, &vals, 5000, dim as usize);
+    let got = gpu_topk(&d, &scorer, &hidden, &keys, 512).unwrap();
+    assert_eq!(got, (0..512).collect::<Vec<i32>>(), "all scores equal: ids 0..k-1");
+    // Many exact ties: 40 distinct keys repeated; ties resolve to lower ids.
+    let rows: Vec<Vec<f32>> = (0..40).map(|_| (0..dim).map(|_| gauss(&mut rng)).collect()).collect();
+    let pick: Vec<usize> = (0..20_000).map(|_| rng.below(40) as usize).collect();
+    let vals: Vec<f32> = pick.iter().flat_map(|&p| rows[p].clone()).collect();
+    let keys = HostKeys::from_values(&mut rng, KeyDtype::Bf16, &vals, 20_000, dim as usize);
+    let got = gpu_topk(&d, &scorer, &hidden, &keys, 700).unwrap();
+    let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
+    check_topk(&got, &scores, &tol, 700, "many ties");
+    // Within a group of identical keys (identical GPU scores), lower ids first.
+    for w in got.windows(2) {
+        let (a, b) = (w[0] as usize, w[1] as usize);
+        if pick[a] == pick[b] {
+            assert!(a < b, "identical keys {a} and {b}: the lower id comes first");
+        }
+    }
+    // k > n_chunks: -1 padding; n_chunks = 1.
+    let keys = HostKeys::random(&mut rng, KeyDtype::Fp8E4m3, 300, dim as usize, 1.0);
+    let got = gpu_topk(&d, &scorer, &hidden, &keys, 512).unwrap();
+    let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
+    check_topk(&got, &scores, &tol, 512, "k > n");
+    let keys = HostKeys::random(&mut rng, KeyDtype::Bf16, 1, dim as usize, 1.0);
+    let got = gpu_topk(&d, &scorer, &hidden, &keys, 4).unwrap();
+    assert_eq!(got, vec![0, -1, -1, -1]);
+    // Huge and tiny magnitudes (within f32 range of every product).
+    for mag in [1e15f32, 1e-15] {
+        let keys = HostKeys::random(&mut rng, KeyDtype::F32, 4000, dim as usize, mag);
+        let got = gpu_topk(&d, &scorer, &hidden, &keys, 256).unwrap();
+        let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
+        check_topk(&got, &scores, &tol, 256, &format!("magnitude {mag}"));
+    }
+    // NaN in the hidden state: an error naming it, and no garbage (-1s).
+    let mut bad = hidden.clone();
+    bad[hid as usize + 17] = f32::NAN;
+    let keys = HostKeys::random(&mut rng, KeyDtype::Bf16, 1000, dim as usize, 1.0);
+    let e = gpu_topk(&d, &scorer, &bad, &keys, 64).unwrap_err();
+    assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
+    assert!(e.message.contains("scorer 1") && e.message.contains("17"), "{e}");
+    // The next good call works again.
+    let got = gpu_topk(&d, &scorer, &hidden, &keys, 64).unwrap();
+    let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
+    check_topk(&got, &scores, &tol, 64, "after an error");
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_batch_equals_single_calls() {
+    let mut rng = Rng::fresh("scorer gpu batch");
+    let d = Dev::new();
+    let (s, h, dim, hid) = (3u32, 64u32, 128u32, 512u32);
+    let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
+    let scorer = Scorer::new(ckpt, 0).unwrap();
+    for b in [1usize, 8, 64, 70] {
+        let k = 128u32;
+        let mut seqs = Vec::new();
+        let mut keep = Vec::new();
+        let mut singles = Vec::new();
+        for i in 0..b {
+            let hidden: Vec<f32> = (0..(s * hid) as usize).map(|_| gauss(&mut rng)).collect();
+            let dt = [KeyDtype::Bf16, KeyDtype::Fp8E4m3][i % 2];
+            let n = 500 + rng.below(3000) as usize;
+            let keys = HostKeys::random(&mut rng, dt, n, dim as usize, 1.0);
+            singles.push(gpu_topk(&d, &scorer, &hidden, &keys, k).unwrap());
+            let hb = d.upload(&f32_bytes(&hidden));
+            let kb = d.upload(&keys.bytes);
+            let sc = d.upload(&f32_bytes(&keys.scales));
+            let out = d.upload(&vec![0x11u8; 4 * k as usize]);
+            seqs.push(SeqRef {
+                hidden: hb.ptr,
+                keys: KeysRef { data: kb.ptr, scales: if keys.scales.is_empty() { 0 } else { sc.ptr }, row_stride: 0, dtype: dt },
+                n_chunks: keys.n,
+                out: out.ptr,
+            });
+            keep.push((hb, kb, sc, out));
+        }
+        unsafe { scorer.score_topk_batch(&seqs, k, d.stream.0 as u64).unwrap() };
+        for (i, (_, _, _, out)) in keep.iter().enumerate() {
+            assert_eq!(d.download_i32(out, k as usize), singles[i], "batch {b}: sequence {i} differs from its single call");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_bounds_scorer_matches_reference() {
+    let mut rng = Rng::fresh("bounds gpu");
+    let d = Dev::new();
+    for _ in 0..6 {
+        let dim = [32usize, 128, 576][rng.below(3) as usize];
+        let n = 1 + rng.below(50_000) as usize;
+        let k = [1u32, 100, 512][rng.below(3) as usize];
+        let q: Vec<f32> = (0..dim).map(|_| gauss(&mut rng)).collect();
+        let lo: Vec<f32> = (0..n * dim).map(|_| gauss(&mut rng)).collect();
+        let hi: Vec<f32> = lo.iter().map(|v| v + (rng.below(1000) as f32) / 500.0).collect();
+        let (qb, lb, hb) = (d.upload(&f32_bytes(&q)), d.upload(&f32_bytes(&lo)), d.upload(&f32_bytes(&hi)));
+        let out = d.upload(&vec![0x22u8; 4 * k as usize]);
+        let b = kvswap::scorer::BoundsRef { query: qb.ptr, min: lb.ptr, max: hb.ptr, dim, n_chunks: n, out: out.ptr };
+        unsafe { kvswap::scorer::bounds_topk(0, &b, k, d.stream.0 as u64).unwrap() };
+        let got = d.download_i32(&out, k as usize);
+        let scores = kvswap::scorer::bounds::scores(&q, &lo, &hi).unwrap();
+        // f32 sums of dim products, in another order: |error| <= dim * 2^-23 * sum |terms|.
+        let tol: Vec<f64> = (0..n)
+            .map(|c| {
+                let t: f64 = (0..dim).map(|j| (q[j] as f64 * lo[c * dim + j] as f64).abs().max((q[j] as f64 * hi[c * dim + j] as f64).abs())).sum();
+                dim as f64 * f32::EPSILON as f64 * t + 1e-30
+            })
+            .collect();
+        check_topk(&got, &scores, &tol, k as usize, &format!("bounds dim={dim} n={n} k={k}"));
+    }
+}
