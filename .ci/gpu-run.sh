@@ -15,10 +15,20 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 T=.gpu/tests
 NGPU=$(nvidia-smi -L | wc -l)
 SKIP=(); [ "$NGPU" -ge 2 ] || SKIP=(--skip multi_gpu)
+if [[ $what == scorer ]]; then
+  step scorer-gpu     $T/scorer_gpu --ignored --test-threads=1
+  step scorer-gpu-mma env KVSWAP_FM_KERNEL=mma $T/scorer_gpu --ignored --test-threads=1
+fi
+if [[ $what == multi ]]; then
+  step multi-cuda     env KVSWAP_TEST_BACKEND=cuda $T/multi
+  step bench-multi .gpu/kvswap bench --backend cuda --multi-gpu --json "$OUT/bench-multi.json"
+  cat "$OUT/bench-multi.log"
+fi
 if [[ $what == tests || $what == all ]]; then
   step gpu-tests      $T/gpu --ignored --test-threads=1 "${SKIP[@]}"
   step multi-cuda     env KVSWAP_TEST_BACKEND=cuda $T/multi
   step scorer-gpu     $T/scorer_gpu --ignored --test-threads=1
+  step scorer-gpu-mma env KVSWAP_FM_KERNEL=mma $T/scorer_gpu --ignored --test-threads=1
   step model-cuda     env KVSWAP_TEST_BACKEND=cuda $T/model
   step threads-cuda   env KVSWAP_TEST_BACKEND=cuda $T/threads
   if [[ -x .gpu/ffi/test_abi ]]; then
@@ -41,6 +51,13 @@ if [[ $what == fm || $what == all ]]; then
     step torch-full  python3 .gpu/torch_fm_baseline.py --scope full --sizes $SIZES --json "$OUT/torch-full.json"
     python3 .ci/fm-compare.py "$OUT/bench-fm.json" "$OUT/torch-score.json" "$OUT/torch-full.json" | tee "$OUT/fm-compare.txt"
   fi
+fi
+if [[ $what == ncu-detail ]]; then
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  step ncu-detail "$NCU" --clock-control none --kernel-name "regex:fm_score" --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+    .gpu/kvswap bench --backend cuda --scorer --quick
+  grep -E "Duration|Throughput|Stall|Issued|Eligible|Active Warps|No Eligible|Warp Cycles|smsp__pcsamp|L1|L2|DRAM|Bank" "$OUT/ncu-detail.log" | head -60
 fi
 if [[ $what == profile ]]; then
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)

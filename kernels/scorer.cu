@@ -10,12 +10,13 @@
 //                  ensemble (max or mean) -> a sortable 32-bit key per chunk,
 //                  and a histogram of the keys' top FM_HIST_BITS bits.
 //   fm_bounds_score  the training-free (Quest-style) scorer, same outputs.
-//   fm_select      from the histogram, the threshold bin; candidates above it
-//                  and in it; the last block to finish picks the exact top-k by
-//                  the 64-bit key (score key << 32 | ~id) and writes the ids in
-//                  descending order, -1 padded. It leaves the histogram and
-//                  counters zeroed for the next call (graph replay needs no
-//                  memset).
+//   fm_select1/2   two passes over the keys: the threshold bin of the 12-bit
+//                  histogram, then of a second 12-bit histogram inside it;
+//                  candidates above (certain) and in (ties) the 24-bit
+//                  threshold; the last block picks the exact top-k by the 64-bit
+//                  key (score key << 32 | ~id) and writes the ids in descending
+//                  order, -1 padded. The histograms and counters are left
+//                  zeroed for the next call (graph replay needs no memset).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -74,10 +75,38 @@ __device__ __forceinline__ u16 fp8_to_bf16(u8 v) {
     return (u16)((s << 15) | ((e - 7 + 127) << 7) | (m << 4));
 }
 
+// Two fp8 e4m3 (low byte first) -> two bf16 (low half first), exactly: e4m3
+// values are representable in f16 and in bf16. Hardware conversion on Ada and
+// Hopper; the bit-level decode elsewhere.
+__device__ __forceinline__ u32 fp8x2_to_bf16x2(u32 two) {
+#if __CUDA_ARCH__ >= 890
+    u32 h2;
+    const unsigned short in = (unsigned short)two;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
+    float lo, hi;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h2 & 0xffffu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h2 >> 16)));
+    u32 out;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+    return out;
+#else
+    return (u32)fp8_to_bf16(two & 0xff) | ((u32)fp8_to_bf16((two >> 8) & 0xff) << 16);
+#endif
+}
+
 // Monotone map of a float to u32: a < b  <=>  key(a) < key(b) (NaN excluded).
 __device__ __forceinline__ u32 sort_key(float f) {
     const u32 x = __float_as_uint(f);
     return (x & 0x80000000u) ? ~x : (x | 0x80000000u);
+}
+
+// hist[bin] += 1 for every lane with `valid`, one shared-memory atomic per
+// distinct bin in the warp: scores often share a few bins, and same-address
+// atomics serialise. Every lane of the warp must call it.
+__device__ __forceinline__ void hist_add(u32* hist, u32 bin, bool valid) {
+    const u32 key = valid ? bin : 0xFFFFFFFFu;
+    const u32 peers = __match_any_sync(FM_FULL, key);
+    if (valid && (threadIdx.x & 31u) == (u32)(__ffs(peers) - 1)) atomicAdd(&hist[bin], (u32)__popc(peers));
 }
 
 __device__ __forceinline__ void record_error(u32* err, u32 code, u32 a, u32 b) {
@@ -195,6 +224,32 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
     float acc[MAXB];
 #pragma unroll
     for (u32 b = 0; b < MAXB; ++b) acc[b] = 0.f;
+    if constexpr (MAXB == 1) {
+        // One sequence: the hidden slice (<= 16 KB) stays in L1; no staging,
+        // no barrier, every warp streams its row at once.
+        const float* h0 = B.seq[0].hidden + (u64)scorer * hidden;
+        if (blockIdx.x == 0 && warp == 0) {
+            for (u32 k = lane; k < hidden; k += 32)
+                if (!isfinite(h0[k])) record_error(err, FM_ERR_HIDDEN, scorer, k);
+        }
+        if (active) {
+#pragma unroll 4
+            for (u32 k = lane * 8; k < hidden; k += 256) {
+                float wv[8];
+                load8<T>(wrow + k, wv);
+                const float4 x0 = __ldg((const float4*)(h0 + k)), x1 = __ldg((const float4*)(h0 + k + 4));
+                float s = wv[0] * x0.x;
+                s = fmaf(wv[1], x0.y, s);
+                s = fmaf(wv[2], x0.z, s);
+                s = fmaf(wv[3], x0.w, s);
+                s = fmaf(wv[4], x1.x, s);
+                s = fmaf(wv[5], x1.y, s);
+                s = fmaf(wv[6], x1.z, s);
+                s = fmaf(wv[7], x1.w, s);
+                acc[0] += s;
+            }
+        }
+    } else
     for (u32 k0 = 0; k0 < hidden; k0 += KT) {
         const u32 kt = min(KT, hidden - k0);
         __syncthreads();
@@ -242,19 +297,19 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
     }
 }
 
-// Instantiations: weight dtype x batch width (1: a whole 4096-wide hidden
-// state per pass; 8 and 64: narrower passes to bound shared memory).
+// Instantiations: weight dtype x batch width (1: hidden read through L1, no
+// shared memory; 8 and 64: staged passes of 1024 and 256 elements).
 #define FM_PROJECT(NAME, T, MAXB, KT)                                                            \
     extern "C" __global__ void __launch_bounds__(FM_PROJ_ROWS * 32)                               \
     NAME(const T* W, u32 hidden, ProjBatch B, u32* err) { project<T, MAXB, KT>(W, hidden, B, err); }
-// Shared memory: MAXB * KT * 4 bytes (16, 32 and 64 KiB).
-FM_PROJECT(fm_project_f32_b1, float, 1, 4096)
+// Shared memory: MAXB * KT * 4 bytes for b8 and b64 (32 and 64 KiB), none for b1.
+FM_PROJECT(fm_project_f32_b1, float, 1, 256)
 FM_PROJECT(fm_project_f32_b8, float, 8, 1024)
 FM_PROJECT(fm_project_f32_b64, float, 64, 256)
-FM_PROJECT(fm_project_bf16_b1, u16, 1, 4096)
+FM_PROJECT(fm_project_bf16_b1, u16, 1, 256)
 FM_PROJECT(fm_project_bf16_b8, u16, 8, 1024)
 FM_PROJECT(fm_project_bf16_b64, u16, 64, 256)
-FM_PROJECT(fm_project_f16_b1, F16, 1, 4096)
+FM_PROJECT(fm_project_f16_b1, F16, 1, 256)
 FM_PROJECT(fm_project_f16_b8, F16, 8, 1024)
 FM_PROJECT(fm_project_f16_b64, F16, 64, 256)
 
@@ -365,8 +420,7 @@ __device__ __forceinline__ void store_tile_fp8(const Fp8Regs& R, u8* tile) {
         u32 o[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const u32 word = w[i / 2] >> (16 * (i % 2));
-            o[i] = (u32)fp8_to_bf16(word & 0xff) | ((u32)fp8_to_bf16((word >> 8) & 0xff) << 16);
+            o[i] = fp8x2_to_bf16x2(w[i / 2] >> (16 * (i % 2)));
         }
         *(uint4*)(tile + swz(r, c)) = make_uint4(o[0], o[1], o[2], o[3]);
     }
@@ -522,26 +576,28 @@ fm_score(ScoreBatch B, u32* err) {
             }
         }
         __syncthreads();
-        for (u32 row = threadIdx.x; row < FM_TILE; row += blockDim.x) {
+        for (u32 row0 = 0; row0 < FM_TILE; row0 += blockDim.x) {  // whole warps (hist_add)
+            const u32 row = row0 + threadIdx.x;
             const u32 chunk = c0 + row;
-            if (chunk >= S.n) continue;
+            const bool valid = row < FM_TILE && chunk < S.n;
+            if (!__any_sync(FM_FULL, valid)) continue;
             float ens = 0.f;
 #pragma unroll
             for (u32 i = 0; i < FM_SCORERS; ++i) {
                 float si = 0.f;
 #pragma unroll
-                for (u32 g = 0; g < FM_HGROUPS; ++g) si += sh_part[(i * FM_HGROUPS + g) * FM_TILE + row];
+                for (u32 g = 0; g < FM_HGROUPS; ++g) si += valid ? sh_part[(i * FM_HGROUPS + g) * FM_TILE + row] : 0.f;
                 ens = B.mean ? ens + si : (i == 0 ? si : fmaxf(ens, si));
             }
             if (B.mean) ens *= 1.f / FM_SCORERS;
-            if (!isfinite(ens)) {
+            if (valid && !isfinite(ens)) {
                 bad = true;
                 bad_chunk = chunk;
                 ens = -3.0e38f;
             }
             const u32 k = sort_key(ens);
-            S.skey[chunk] = k;
-            atomicAdd(&sh_hist[k >> (32 - FM_HIST_BITS)], 1u);
+            if (valid) S.skey[chunk] = k;
+            hist_add(sh_hist, k >> (32 - FM_HIST_BITS), valid);
         }
         if (next < tiles) {
             if (B.dtype == FM_KEYS_FP8_E4M3) store_tile_fp8(next_fp8, sh_next);
@@ -554,6 +610,294 @@ fm_score(ScoreBatch B, u32* err) {
     for (u32 i = threadIdx.x; i < FM_HIST; i += blockDim.x)
         if (sh_hist[i]) atomicAdd(&S.hist[i], sh_hist[i]);
 }
+
+// ------------------------------------------ scoring with wgmma (Hopper, sm_90a)
+//
+// The same result as fm_score, on Hopper's warpgroup MMA: one m64nNk16
+// instruction per 16 key dimensions covers 64 chunks x every (scorer, head)
+// column (N = FM_SCORERS * FM_HEADS <= 256), both operands read by the tensor
+// cores straight from shared memory in the 128-byte-swizzled K-major layout.
+// Each warpgroup streams its own 64-chunk tiles through a 4-deep cp.async
+// ring; a thread holds whole (scorer, head) rows of its chunks, so the
+// ensemble is reduced in registers (one quad shuffle) with no shared-memory
+// partials. Compiled with
+// -DFM_WGMMA for sm_90a when the shape allows (N a multiple of 64, head_dim a
+// multiple of 64).
+#if defined(FM_WGMMA)
+
+#define WG_THREADS 256                   // two warpgroups
+#define WG_KBLOCKS (FM_HEAD_DIM / 64)    // 128-byte K blocks per row
+#define WG_Q_BYTES (FM_QROWS * FM_HEAD_DIM * 2)
+
+// Byte offset of 16-byte chunk c (0 .. FM_CHUNKS16) of row r in a tile of
+// `rows` rows, in the canonical K-major SW128 layout: one region per 64-wide
+// K block; rows 128 bytes apart; 8-row atoms of 1024 bytes; chunk index XOR
+// (row % 8).
+__device__ __forceinline__ u32 sw128(u32 rows, u32 r, u32 c) {
+    return (c >> 3) * (rows * 128u) + r * 128u + (((c & 7u) ^ (r & 7u)) << 4);
+}
+
+// GMMA shared-memory descriptor: start address, leading byte offset 16 (unused
+// for swizzled K-major), stride 1024 bytes between 8-row atoms, 128B swizzle.
+__device__ __forceinline__ u64 gmma_desc(u32 saddr) {
+    return (u64)((saddr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_n64(float* d, u64 desc_a, u64 desc_b, u32 accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_n128(float* d, u64 desc_a, u64 desc_b, u32 accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_n192(float* d, u64 desc_a, u64 desc_b, u32 accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_n256(float* d, u64 desc_a, u64 desc_b, u32 accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_row(float* d, u64 a, u64 b, u32 acc) {
+#if FM_QROWS == 64
+    wgmma_n64(d, a, b, acc);
+#elif FM_QROWS == 128
+    wgmma_n128(d, a, b, acc);
+#elif FM_QROWS == 192
+    wgmma_n192(d, a, b, acc);
+#elif FM_QROWS == 256
+    wgmma_n256(d, a, b, acc);
+#else
+#error "FM_WGMMA needs FM_SCORERS * FM_HEADS in {64, 128, 192, 256}"
+#endif
+}
+
+#define WG_STAGES 4                        // tiles in flight per warpgroup
+#define WG_ROWS 64                         // chunks per warpgroup tile (one m64 wgmma row)
+#define WG_SUB_BYTES (WG_ROWS * FM_HEAD_DIM * 2)   // one bf16 warpgroup tile
+#define WG_RAW_BYTES (WG_ROWS * FM_HEAD_DIM)       // one fp8 warpgroup tile
+#define WG_GROUP_THREADS 128
+
+__device__ __forceinline__ void cp_async_wait_stages() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(WG_STAGES - 2) : "memory");
+}
+
+// Barrier of one warpgroup (ids 1 and 2; 0 is __syncthreads).
+__device__ __forceinline__ void wg_barrier(u32 g) {
+    asm volatile("bar.sync %0, %1;" ::"r"(g + 1), "n"(WG_GROUP_THREADS) : "memory");
+}
+
+// Starts the copy of rows [c0, c0 + WG_ROWS) by the 128 threads of a
+// warpgroup (t = thread index in the group): bf16 rows straight into the
+// swizzled compute layout; fp8 rows as raw bytes (converted before use).
+// Always commits one group (possibly empty) so group counting stays uniform.
+__device__ void wg_issue(const ScoreSeq& S, u32 dtype, u32 t0, u32 c0, bool valid, u8* dst) {
+    if (valid && dtype == FM_KEYS_BF16) {
+        for (u32 t = t0; t < WG_ROWS * FM_CHUNKS16; t += WG_GROUP_THREADS) {
+            const u32 r = t / FM_CHUNKS16, c = t % FM_CHUNKS16;
+            const u32 chunk = c0 + r;
+            u8* d = dst + sw128(WG_ROWS, r, c);
+            if (chunk < S.n) cp_async16(smem_addr(d), (const u8*)S.keys + (u64)chunk * S.stride + c * 16);
+            else *(uint4*)d = make_uint4(0, 0, 0, 0);
+        }
+    } else if (valid && dtype == FM_KEYS_FP8_E4M3) {
+        constexpr u32 per_row = FM_HEAD_DIM / 16;  // 16-byte pieces of an fp8 row
+        for (u32 t = t0; t < WG_ROWS * per_row; t += WG_GROUP_THREADS) {
+            const u32 r = t / per_row, c = t % per_row;
+            const u32 chunk = c0 + r;
+            u8* d = dst + r * FM_HEAD_DIM + c * 16;
+            if (chunk < S.n) cp_async16(smem_addr(d), (const u8*)S.keys + (u64)chunk * S.stride + c * 16);
+            else *(uint4*)d = make_uint4(0, 0, 0, 0);
+        }
+    }
+    cp_async_commit();
+}
+
+// fp8 raw tile (row-major) -> bf16 swizzled compute tile (exact).
+__device__ void wg_convert_fp8(u32 t0, const u8* raw, u8* tile) {
+    for (u32 t = t0; t < WG_ROWS * FM_CHUNKS16; t += WG_GROUP_THREADS) {
+        const u32 r = t / FM_CHUNKS16, c = t % FM_CHUNKS16;
+        const uint2 v = *(const uint2*)(raw + r * FM_HEAD_DIM + c * 8);
+        const u32 w[2] = {v.x, v.y};
+        u32 o[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[i] = fp8x2_to_bf16x2(w[i / 2] >> (16 * (i % 2)));
+        *(uint4*)(tile + sw128(WG_ROWS, r, c)) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+}
+
+__device__ void wg_stage_f32(const ScoreSeq& S, u32 t0, u32 c0, u8* tile) {
+    for (u32 t = t0; t < WG_ROWS * FM_CHUNKS16; t += WG_GROUP_THREADS) {
+        const u32 r = t / FM_CHUNKS16, c = t % FM_CHUNKS16;
+        const u32 chunk = c0 + r;
+        uint4 out = make_uint4(0, 0, 0, 0);
+        if (chunk < S.n) {
+            const float* p = (const float*)((const u8*)S.keys + (u64)chunk * S.stride) + c * 8;
+            const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
+            out.x = (u32)f32_to_bf16(a.x) | ((u32)f32_to_bf16(a.y) << 16);
+            out.y = (u32)f32_to_bf16(a.z) | ((u32)f32_to_bf16(a.w) << 16);
+            out.z = (u32)f32_to_bf16(b.x) | ((u32)f32_to_bf16(b.y) << 16);
+            out.w = (u32)f32_to_bf16(b.z) | ((u32)f32_to_bf16(b.w) << 16);
+        }
+        *(uint4*)(tile + sw128(WG_ROWS, r, c)) = out;
+    }
+}
+
+// Grid: (blocks per sequence, sequences), 2 warpgroups (WG_THREADS threads),
+// dynamic shared memory: Q + per warpgroup a ring of WG_STAGES tiles (bf16:
+// compute tiles; fp8: raw tiles plus one compute tile; f32: one compute
+// tile) + 1024 alignment slack. The two warpgroups run independent pipelines
+// over interleaved 64-chunk tiles and meet only at their own barriers, so one
+// runs its epilogue while the other's wgmma keeps the tensor cores busy.
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg(ScoreBatch B, u32* err) {
+    extern __shared__ u8 wg_smem_raw[];
+    __shared__ u32 sh_hist[FM_HIST];
+    // The swizzled layouts need 1024-byte aligned regions.
+    const u32 raw_addr = smem_addr(wg_smem_raw);
+    u8* base = wg_smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
+    u8* sh_q = base;
+    const u32 dtype = B.dtype;
+    const u32 slot_bytes = dtype == FM_KEYS_BF16 ? WG_SUB_BYTES : WG_RAW_BYTES;
+    const u32 group_bytes = dtype == FM_KEYS_BF16 ? WG_STAGES * WG_SUB_BYTES : WG_STAGES * WG_RAW_BYTES + WG_SUB_BYTES;
+    wait_prerequisites();  // q and w come from the projection kernel
+    const ScoreSeq& S = B.seq[blockIdx.y];
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u32 g = warp >> 2;                       // this warpgroup
+    const u32 t0 = threadIdx.x & (WG_GROUP_THREADS - 1u);
+    u8* ring = base + WG_Q_BYTES + g * group_bytes;
+    u8* conv = ring + WG_STAGES * WG_RAW_BYTES;    // fp8 / f32 compute tile
+
+    // This warpgroup's tiles: 2 * blockIdx.x + g, then every 2 * gridDim.x.
+    const u32 tiles = (S.n + WG_ROWS - 1) / WG_ROWS;
+    const u32 first = 2 * blockIdx.x + g, step = 2 * gridDim.x;
+    const u32 my_tiles = first < tiles ? (tiles - first + step - 1) / step : 0u;
+    if (dtype != FM_KEYS_F32) {
+        for (u32 i = 0; i < WG_STAGES - 1; ++i)
+            wg_issue(S, dtype, t0, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * slot_bytes);
+    }
+    for (u32 t = threadIdx.x; t < FM_QROWS * FM_CHUNKS16; t += WG_THREADS) {
+        const u32 r = t / FM_CHUNKS16, c = t % FM_CHUNKS16;
+        *(uint4*)(sh_q + sw128(FM_QROWS, r, c)) = *(const uint4*)(S.q + (u64)r * FM_HEAD_DIM + c * 8);
+    }
+    for (u32 i = threadIdx.x; i < FM_HIST; i += WG_THREADS) sh_hist[i] = 0;
+    // Head weights of this thread's columns: n-tile j, columns 2*(lane%4)+{0,1}.
+    float wv[FM_QROWS / 8][2];
+#pragma unroll
+    for (u32 j = 0; j < FM_QROWS / 8; ++j) {
+        wv[j][0] = S.w[j * 8 + 2 * (lane & 3u)];
+        wv[j][1] = S.w[j * 8 + 2 * (lane & 3u) + 1];
+    }
+    fence_async_smem();
+    __syncthreads();  // Q and the histogram are ready for both warpgroups
+    bool bad = false;
+    u32 bad_chunk = 0;
+    const u32 q_base = smem_addr(sh_q);
+    for (u32 i = 0; i < my_tiles; ++i) {
+        const u32 c0 = (first + i * step) * WG_ROWS;
+        u8* slot = ring + (i % WG_STAGES) * slot_bytes;
+        if (dtype != FM_KEYS_F32) cp_async_wait_stages();  // tile i has landed (this thread's part)
+        wg_barrier(g);  // ... every thread's part; tile i - 1 is consumed
+        if (dtype != FM_KEYS_F32) {
+            const u32 ahead = i + WG_STAGES - 1;
+            wg_issue(S, dtype, t0, (first + ahead * step) * WG_ROWS, ahead < my_tiles, ring + (ahead % WG_STAGES) * slot_bytes);
+        }
+        u8* cur_a = slot;
+        if (dtype == FM_KEYS_FP8_E4M3) {
+            wg_convert_fp8(t0, slot, conv);
+            cur_a = conv;
+        } else if (dtype == FM_KEYS_F32) {
+            wg_stage_f32(S, t0, c0, conv);
+            cur_a = conv;
+        }
+        fence_async_smem();  // generic-proxy writes (cp.async, stores) -> tensor-core reads
+        wg_barrier(g);
+        float d[FM_QROWS / 2];
+#pragma unroll
+        for (u32 k = 0; k < FM_QROWS / 2; ++k) d[k] = 0.f;
+        const u32 a_base = smem_addr(cur_a);
+        wgmma_fence();
+#pragma unroll
+        for (u32 ks = 0; ks < FM_KSTEPS; ++ks) {
+            const u32 kb = ks >> 2, within = (ks & 3u) * 32u;
+            const u64 da = gmma_desc(a_base + kb * (WG_ROWS * 128u) + within);
+            const u64 db = gmma_desc(q_base + kb * (FM_QROWS * 128u) + within);
+            wgmma_row(d, da, db, ks > 0 ? 1u : 0u);
+        }
+        wgmma_commit();
+        wgmma_wait0();
+
+        // Epilogue: this thread's rows are r and r + 8 of its warp's 16.
+#pragma unroll
+        for (u32 half = 0; half < 2; ++half) {
+            const u32 row = (warp & 3u) * 16 + (lane >> 2) + half * 8;
+            const u32 chunk = c0 + row;
+            const float scale = (dtype == FM_KEYS_FP8_E4M3 && chunk < S.n) ? S.scales[chunk] : 1.f;
+            float ens = 0.f;
+            bool finite = true;
+#pragma unroll
+            for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
+                float si = 0.f;
+#pragma unroll
+                for (u32 j = sc * (FM_HEADS / 8); j < (sc + 1) * (FM_HEADS / 8); ++j) {
+#pragma unroll
+                    for (u32 e = 0; e < 2; ++e) {
+                        const float v = d[4 * j + 2 * half + e];
+                        finite &= isfinite(v);
+                        const float x = v * scale;
+                        si = fmaf(wv[j][e], x > 0.f ? x : 0.f, si);
+                    }
+                }
+                si += __shfl_xor_sync(FM_FULL, si, 1);
+                si += __shfl_xor_sync(FM_FULL, si, 2);
+                ens = B.mean ? ens + si : (sc == 0 ? si : fmaxf(ens, si));
+            }
+            if (B.mean) ens *= 1.f / FM_SCORERS;
+            if (!finite && chunk < S.n) {
+                bad = true;
+                bad_chunk = chunk;
+            }
+            const bool writer = (lane & 3u) == 0 && chunk < S.n;
+            if (writer && !isfinite(ens)) {
+                bad = true;
+                bad_chunk = chunk;
+                ens = -3.0e38f;
+            }
+            const u32 k = sort_key(ens);
+            if (writer) S.skey[chunk] = k;
+            hist_add(sh_hist, k >> (32 - FM_HIST_BITS), writer);
+        }
+    }
+    cp_async_wait_all();
+    if (bad) record_error(err, FM_ERR_SCORE, bad_chunk, blockIdx.y);
+    allow_dependents();
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < FM_HIST; i += WG_THREADS)
+        if (sh_hist[i]) atomicAdd(&S.hist[i], sh_hist[i]);
+}
+
+#endif  // FM_WGMMA
 
 // ------------------------------------------- training-free (Quest-style) scorer
 
@@ -600,10 +944,11 @@ struct SelectState {
 
 struct SelectSeq {
     const u32* skey;   // [n]
-    u32* hist;         // [FM_HIST]
+    u32* hist;         // [2][FM_HIST]: counts of the top FM_HIST_BITS bits of skey,
+                       // then of the next FM_HIST_BITS bits (threshold bin only)
     SelectState* st;
-    u32* sure;         // [k] candidates above the threshold bin
-    u32* tie;          // [n] candidates in the threshold bin
+    u64* sure;         // [k] key64 of candidates certainly in the top-k
+    u64* tie;          // [n] key64 of candidates sharing the threshold prefix
     i32* out;          // [k] result
     u32 n;
     u32 pad;
@@ -616,20 +961,9 @@ struct SelectBatch {
 };
 
 #define FM_SEL_THREADS 1024
+#define FM_SEL_ITEMS 8     // keys per thread in the candidate pass
 #define FM_RANK_MAX 2048   // room for candidates in shared memory
 #define FM_RANK_SMALL 256  // a boundary group this small is ranked by counting
-
-// Appends `v` to list[*count] for every lane with `want` set: one atomic per
-// warp (lanes keep their order within the warp).
-__device__ __forceinline__ void warp_append(bool want, u32 v, u32* count, u32* list) {
-    const u32 mask = __ballot_sync(FM_FULL, want);
-    if (mask == 0) return;
-    const u32 lane = threadIdx.x & 31u;
-    u32 base = 0;
-    if (lane == __ffs(mask) - 1) base = atomicAdd(count, (u32)__popc(mask));
-    base = __shfl_sync(FM_FULL, base, __ffs(mask) - 1);
-    if (want) list[base + __popc(mask & ((1u << lane) - 1u))] = v;
-}
 
 __device__ __forceinline__ u64 key64(u32 skey, u32 id) { return ((u64)skey << 32) | (u64)(0xFFFFFFFFu - id); }
 
@@ -736,24 +1070,22 @@ __device__ void select_in_smem(u64* keys, u32 m, u32 want, u64* fin, u32* nfin) 
     __syncthreads();
 }
 
-// Exact top-`want` of the candidates in `tie` (global, `nt` of them) by
-// key64, appended to `fin` (at *nfin). When they fit, they are loaded into
-// shared memory once; otherwise 8-bit radix passes over global memory narrow
-// them first. One block.
-__device__ void select_ties(const SelectSeq& S, u32 nt, u32 want, u64* fin, u32* nfin, u64* scratch) {
+// Exact top-`want` of the `nt` candidates in `tie` (global, key64), appended
+// to `fin` (at *nfin). When they fit, they are loaded into shared memory
+// once; otherwise 8-bit radix passes over the (contiguous) list narrow them
+// first. One block.
+__device__ void select_ties(const u64* tie, u32 nt, u32 want, u64* fin, u32* nfin, u64* scratch) {
     __shared__ u32 s_hist[256];
     __shared__ u32 s_digit, s_above, s_cnt;
     u64 prefix = 0, mask = 0;
-    int shift = 64 - FM_HIST_BITS;
+    int shift = 64 - 2 * FM_HIST_BITS;  // the top 24 bits are already equal
     u32 group = nt;
-    // Narrow over global memory until the boundary group fits in shared memory.
     while (group > FM_RANK_MAX && shift > 0) {
         shift = shift >= 8 ? shift - 8 : 0;
         for (u32 i = threadIdx.x; i < 256; i += blockDim.x) s_hist[i] = 0;
         __syncthreads();
         for (u32 i = threadIdx.x; i < nt; i += blockDim.x) {
-            const u32 id = S.tie[i];
-            const u64 k = key64(S.skey[id], id);
+            const u64 k = tie[i];
             if ((k & mask) == prefix) atomicAdd(&s_hist[(k >> shift) & 0xffu], 1u);
         }
         __syncthreads();
@@ -771,8 +1103,7 @@ __device__ void select_ties(const SelectSeq& S, u32 nt, u32 want, u64* fin, u32*
         __syncthreads();
         const u32 digit = s_digit;
         for (u32 i = threadIdx.x; i < nt; i += blockDim.x) {
-            const u32 id = S.tie[i];
-            const u64 k = key64(S.skey[id], id);
+            const u64 k = tie[i];
             if ((k & mask) == prefix && ((k >> shift) & 0xffu) > digit) fin[atomicAdd(nfin, 1u)] = k;
         }
         want -= s_above;
@@ -781,37 +1112,103 @@ __device__ void select_ties(const SelectSeq& S, u32 nt, u32 want, u64* fin, u32*
         group = s_hist[digit];
         __syncthreads();
     }
-    // Load the boundary group into shared memory once.
     if (threadIdx.x == 0) s_cnt = 0;
     __syncthreads();
     for (u32 i = threadIdx.x; i < nt; i += blockDim.x) {
-        const u32 id = S.tie[i];
-        const u64 k = key64(S.skey[id], id);
+        const u64 k = tie[i];
         if ((k & mask) == prefix) scratch[atomicAdd(&s_cnt, 1u)] = k;
     }
     __syncthreads();
     select_in_smem(scratch, s_cnt, want, fin, nfin);
 }
 
-// Grid: (blocks per sequence, sequences), FM_SEL_THREADS threads.
-extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS)
-fm_select(SelectBatch B, const u32* err) {
-    extern __shared__ u64 sh_keys[];  // fin [FM_RANK_MAX] | scratch [FM_RANK_MAX]
-    __shared__ u32 s_last, s_nfin;
+// Reads this block's FM_SEL_ITEMS keys per thread and classifies them:
+// 2 = in the top-k for sure, 1 = tie candidate, 0 = out.
+template <typename Classify>
+__device__ __forceinline__ void classify_block(const SelectSeq& S, u32* skeys, u32* cls, Classify f) {
+    const u32 lo = blockIdx.x * (FM_SEL_THREADS * FM_SEL_ITEMS);
+#pragma unroll
+    for (u32 j = 0; j < FM_SEL_ITEMS; ++j) {
+        const u32 c = lo + j * FM_SEL_THREADS + threadIdx.x;
+        skeys[j] = c < S.n ? S.skey[c] : 0u;
+    }
+#pragma unroll
+    for (u32 j = 0; j < FM_SEL_ITEMS; ++j) {
+        const u32 c = lo + j * FM_SEL_THREADS + threadIdx.x;
+        cls[j] = c < S.n ? f(skeys[j]) : 0u;
+    }
+}
+
+// Appends this block's items of class `want_cls` to `list` (key64), one
+// global atomic per block.
+__device__ void append_block(const SelectSeq& S, const u32* skeys, const u32* cls, u32 want_cls, u32* count, u64* list) {
+    __shared__ u32 s_base;
+    u32 n = 0;
+#pragma unroll
+    for (u32 j = 0; j < FM_SEL_ITEMS; ++j) n += cls[j] == want_cls;
+    u32 total;
+    u32 at = block_exclusive_sum(n, &total);
+    if (threadIdx.x == 0) s_base = total ? atomicAdd(count, total) : 0u;
+    __syncthreads();
+    at += s_base;
+    const u32 lo = blockIdx.x * (FM_SEL_THREADS * FM_SEL_ITEMS);
+#pragma unroll
+    for (u32 j = 0; j < FM_SEL_ITEMS; ++j)
+        if (cls[j] == want_cls) list[at++] = key64(skeys[j], lo + j * FM_SEL_THREADS + threadIdx.x);
+}
+
+// Pass 1 of the selection. Grid: (ceil(n / (FM_SEL_THREADS * FM_SEL_ITEMS)),
+// sequences). From the score kernel's histogram, the threshold bin b1: keys
+// above it are in the top-k (appended to `sure`); for keys in it, a second
+// histogram of the next FM_HIST_BITS bits.
+extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select1(SelectBatch B) {
+    __shared__ u32 sh_hist2[FM_HIST];
     wait_prerequisites();  // skey and hist come from the scoring kernel
+    allow_dependents();
     const SelectSeq& S = B.seq[blockIdx.y];
     const u32 want = min(B.k, S.n);
     u32 above;
-    const u32 bin = threshold_bin(S.hist, want, &above);
-    // Candidates: bins above the threshold are in the top-k for sure.
-    const u32 per_block = (S.n + gridDim.x - 1) / gridDim.x;
-    const u32 lo = blockIdx.x * per_block, hi = min(S.n, lo + per_block);
-    for (u32 c0 = lo; c0 < hi; c0 += blockDim.x) {  // uniform trip count: whole warps ballot
-        const u32 c = c0 + threadIdx.x;
-        const u32 b = c < hi ? S.skey[c] >> (32 - FM_HIST_BITS) : 0u;
-        warp_append(c < hi && b > bin, c, &S.st->n_sure, S.sure);
-        warp_append(c < hi && b == bin, c, &S.st->n_tie, S.tie);
-    }
+    const u32 b1 = threshold_bin(S.hist, want, &above);
+    for (u32 i = threadIdx.x; i < FM_HIST; i += blockDim.x) sh_hist2[i] = 0;
+    u32 skeys[FM_SEL_ITEMS], cls[FM_SEL_ITEMS];
+    classify_block(S, skeys, cls, [&](u32 k) {
+        const u32 b = k >> (32 - FM_HIST_BITS);
+        return b > b1 ? 2u : (b == b1 ? 1u : 0u);
+    });
+    __syncthreads();
+#pragma unroll
+    for (u32 j = 0; j < FM_SEL_ITEMS; ++j)
+        hist_add(sh_hist2, (skeys[j] >> (32 - 2 * FM_HIST_BITS)) & (FM_HIST - 1u), cls[j] == 1u);
+    append_block(S, skeys, cls, 2u, &S.st->n_sure, S.sure);
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < FM_HIST; i += blockDim.x)
+        if (sh_hist2[i]) atomicAdd(&S.hist[FM_HIST + i], sh_hist2[i]);
+}
+
+// Pass 2. Grid as pass 1, FM_SEL_THREADS threads, 2 * FM_RANK_MAX * 8 bytes
+// of dynamic shared memory. The threshold bin b2 of the second histogram:
+// keys of b1 above it join `sure`, keys of (b1, b2) go to `tie`. The last
+// block to finish picks the exact top-k of sure + tie by key64, writes the
+// ids in descending order (-1 padded; all -1 after a recorded error) and
+// leaves the histograms and counters zeroed for the next call.
+extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select2(SelectBatch B, const u32* err) {
+    extern __shared__ u64 sh_keys[];  // fin [FM_RANK_MAX] | scratch [FM_RANK_MAX]
+    __shared__ u32 s_last, s_nfin;
+    wait_prerequisites();  // pass 1 complete
+    const SelectSeq& S = B.seq[blockIdx.y];
+    const u32 want = min(B.k, S.n);
+    u32 above1, above2;
+    const u32 b1 = threshold_bin(S.hist, want, &above1);
+    const u32 b2 = threshold_bin(S.hist + FM_HIST, want - above1, &above2);
+    u32 skeys[FM_SEL_ITEMS], cls[FM_SEL_ITEMS];
+    classify_block(S, skeys, cls, [&](u32 k) {
+        if (k >> (32 - FM_HIST_BITS) != b1) return 0u;
+        const u32 b = (k >> (32 - 2 * FM_HIST_BITS)) & (FM_HIST - 1u);
+        return b > b2 ? 2u : (b == b2 ? 1u : 0u);
+    });
+    append_block(S, skeys, cls, 2u, &S.st->n_sure, S.sure);
+    __syncthreads();
+    append_block(S, skeys, cls, 1u, &S.st->n_tie, S.tie);
     // The last block of this sequence to finish picks the result.
     __threadfence();
     __syncthreads();
@@ -822,15 +1219,10 @@ fm_select(SelectBatch B, const u32* err) {
     const u32 ns = *(volatile u32*)&S.st->n_sure, nt = *(volatile u32*)&S.st->n_tie;
     u64* fin = sh_keys;
     u64* scratch = sh_keys + FM_RANK_MAX;
-    if (threadIdx.x == 0) s_nfin = 0;
-    __syncthreads();
-    for (u32 i = threadIdx.x; i < ns; i += blockDim.x) {
-        const u32 id = ((volatile u32*)S.sure)[i];
-        fin[i] = key64(S.skey[id], id);
-    }
+    for (u32 i = threadIdx.x; i < ns; i += blockDim.x) fin[i] = ((volatile u64*)S.sure)[i];
     if (threadIdx.x == 0) s_nfin = ns;
     __syncthreads();
-    select_ties(S, nt, want - ns, fin, &s_nfin, scratch);
+    select_ties(S.tie, nt, want - ns, fin, &s_nfin, scratch);
     const bool failed = err[0] != 0;
     // Sort by rank and write ids; -1 past min(k, n) or after an error.
     for (u32 i = threadIdx.x; i < B.k; i += blockDim.x) S.out[i] = -1;
@@ -839,7 +1231,7 @@ fm_select(SelectBatch B, const u32* err) {
         rank_by_count(fin, want, [&](u32 i, u32 r) { S.out[r] = (i32)(0xFFFFFFFFu - (u32)fin[i]); });
     }
     // Leave the state zeroed for the next call.
-    for (u32 i = threadIdx.x; i < FM_HIST; i += blockDim.x) S.hist[i] = 0;
+    for (u32 i = threadIdx.x; i < 2 * FM_HIST; i += blockDim.x) S.hist[i] = 0;
     if (threadIdx.x == 0) {
         S.st->n_sure = 0;
         S.st->n_tie = 0;

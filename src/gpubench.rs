@@ -432,16 +432,18 @@ pub struct MultiReport {
 
 /// One GPU's workload for the multi-GPU benchmark: everything allocated up
 /// front so that the timed phases only copy.
+/// Field order is drop order: graphs and buffers go before the kvswap
+/// context, and the device (its primary context) last.
 struct GpuLoad {
-    dev: Device,
-    stream: OwnedStream,
-    host: PinnedBuffer,
-    dst: DeviceBuffer,
-    ctx: Context,
     full: Graph,
     restore: Graph,
     _bufs: Vec<DeviceBuffer>,
+    host: PinnedBuffer,
+    dst: DeviceBuffer,
+    stream: OwnedStream,
     period: usize,
+    ctx: Context,
+    dev: Device,
 }
 
 const MULTI_MISSES: usize = 4096;
@@ -477,7 +479,7 @@ impl GpuLoad {
         let mut bufs = pristine;
         bufs.extend(work);
         drop(_g);
-        Ok(GpuLoad { dev, stream, host, dst, ctx, full, restore, _bufs: bufs, period })
+        Ok(GpuLoad { full, restore, _bufs: bufs, host, dst, stream, period, ctx, dev })
     }
 
     fn bulk_gbps(&self, rounds: usize) -> Result<f64> {

@@ -25,6 +25,17 @@ fn every_kernel_compiles() {
             assert!(cubin.len() > 1000 && cubin.starts_with(b"\x7fELF"), "{name}: not a CUBIN");
         }
     }
+    // The scorer as the CUDA backend compiles it: per shape, and the Hopper
+    // wgmma kernel for sm_90a.
+    for (s, h, d) in [(3, 64, 128), (1, 8, 128), (2, 16, 64), (4, 64, 256)] {
+        let mut opts = vec![format!("-DFM_SCORERS={s}"), format!("-DFM_HEADS={h}"), format!("-DFM_HEAD_DIM={d}")];
+        nvrtc::compile_with("scorer.cu", kvswap::kernels::SCORER_CU, (9, 0), &opts).unwrap_or_else(|e| panic!("scorer {s}x{h}x{d}: {e}"));
+        if [64, 128, 192, 256].contains(&(s * h)) {
+            opts.extend(["-DFM_WGMMA".to_string(), "--gpu-architecture=sm_90a".to_string()]);
+            nvrtc::compile_with("scorer.cu", kvswap::kernels::SCORER_CU, (9, 0), &opts)
+                .unwrap_or_else(|e| panic!("scorer wgmma {s}x{h}x{d}: {e}"));
+        }
+    }
 }
 
 #[test]

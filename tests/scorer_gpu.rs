@@ -75,9 +75,10 @@ impl HostKeys {
     }
 }
 
+/// Field order is drop order: the stream before the device's context.
 struct Dev {
-    dev: Device,
     stream: OwnedStream,
+    dev: Device,
 }
 
 impl Dev {
@@ -86,7 +87,7 @@ impl Dev {
         let g = dev.bind().unwrap();
         let stream = OwnedStream::new().unwrap();
         drop(g);
-        Dev { dev, stream }
+        Dev { stream, dev }
     }
     fn upload(&self, bytes: &[u8]) -> DeviceBuffer {
         let _g = self.dev.bind().unwrap();

@@ -58,14 +58,20 @@ pub fn compile_with(name: &str, source: &str, cc: (i32, i32), extra: &[String]) 
         unsafe { sys::nvrtcCreateProgram(&mut prog, src.as_ptr(), cname.as_ptr(), 0, std::ptr::null(), std::ptr::null()) },
         "nvrtcCreateProgram",
     )?;
-    let opts: Vec<CString> = [
-        format!("--gpu-architecture=sm_{}{}", cc.0, cc.1),
-        "--std=c++17".to_string(),
-        "--extra-device-vectorization".to_string(),
-        "-default-device".to_string(),
-    ]
-    .into_iter()
-    .chain(extra.iter().cloned())
+    // An explicit --gpu-architecture in `extra` (e.g. sm_90a) replaces the default.
+    let arch = if extra.iter().any(|o| o.starts_with("--gpu-architecture=")) {
+        None
+    } else {
+        Some(format!("--gpu-architecture=sm_{}{}", cc.0, cc.1))
+    };
+    let opts: Vec<CString> = arch
+        .into_iter()
+        .chain([
+            "--std=c++17".to_string(),
+            "--extra-device-vectorization".to_string(),
+            "-default-device".to_string(),
+        ])
+        .chain(extra.iter().cloned())
     .map(|o| CString::new(o).unwrap())
     .collect();
     let ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();

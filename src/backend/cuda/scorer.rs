@@ -111,10 +111,10 @@ impl Workspace {
             q: DeviceBuffer::alloc(seqs * q_elems * 2, "scorer q")?,
             w: DeviceBuffer::alloc(seqs * w_elems * 4, "scorer w")?,
             skey: DeviceBuffer::alloc(seqs * chunks * 4, "scorer keys")?,
-            hist: DeviceBuffer::alloc(seqs * HIST * 4, "scorer histogram")?,
+            hist: DeviceBuffer::alloc(seqs * 2 * HIST * 4, "scorer histograms")?,
             state: DeviceBuffer::alloc(seqs * 16, "scorer select state")?,
-            sure: DeviceBuffer::alloc(seqs * TOPK_MAX * 4, "scorer candidates")?,
-            tie: DeviceBuffer::alloc(seqs * chunks * 4, "scorer candidates")?,
+            sure: DeviceBuffer::alloc(seqs * TOPK_MAX * 8, "scorer candidates")?,
+            tie: DeviceBuffer::alloc(seqs * chunks * 8, "scorer candidates")?,
             err: DeviceBuffer::alloc(16, "scorer error")?,
             readback: PinnedBuffer::alloc(16)?,
         };
@@ -126,7 +126,7 @@ impl Workspace {
     fn clear(&self, s: CUstream) -> Result<()> {
         // SAFETY: each buffer holds the number of words cleared.
         unsafe {
-            driver::memset_d32_async(self.hist.ptr, 0, self.seqs * HIST, s)?;
+            driver::memset_d32_async(self.hist.ptr, 0, self.seqs * 2 * HIST, s)?;
             driver::memset_d32_async(self.state.ptr, 0, self.seqs * 4, s)?;
             driver::memset_d32_async(self.err.ptr, 0, 4, s)?;
         }
@@ -228,8 +228,14 @@ pub struct CudaScorer {
     weights: DeviceBuffer,
     project: [Kernel; 3],
     score: Kernel,
-    select: Kernel,
+    /// fm_select1, fm_select2.
+    select: [Kernel; 2],
     score_smem: u32,
+    /// Chunks per block tile and threads per block of the scoring kernel.
+    score_tile: u32,
+    score_threads: u32,
+    /// fm_score_wg (Hopper wgmma) rather than fm_score (mma.sync).
+    wgmma: bool,
     sync: bool,
     workspaces: Mutex<HashMap<u64, Workspace>>,
     _module: Module,
@@ -266,7 +272,24 @@ impl CudaScorer {
                 dev.smem_optin
             )));
         }
-        let defines = vec![format!("-DFM_SCORERS={s}"), format!("-DFM_HEADS={h}"), format!("-DFM_HEAD_DIM={d}")];
+        let mut defines = vec![format!("-DFM_SCORERS={s}"), format!("-DFM_HEADS={h}"), format!("-DFM_HEAD_DIM={d}")];
+        // Hopper's warpgroup MMA when the shape fits one m64nNk16 row
+        // (KVSWAP_FM_KERNEL=mma forces the portable mma.sync kernel).
+        let forced = std::env::var("KVSWAP_FM_KERNEL").unwrap_or_default();
+        // fm_score_wg: Q + a ring of 4 tiles (bf16) or 4 raw fp8 tiles and one
+        // bf16 compute tile, + 1024 alignment slack; its histogram is static.
+        let wg_ring = (4 * 128 * d * 2).max(4 * 128 * d + 128 * d * 2);
+        let wg_smem = (s * h * d * 2 + wg_ring + 1024) as u32;
+        let wg_smem_total = wg_smem as usize + HIST * 4;
+        let wgmma = dev.cc == (9, 0)
+            && [64, 128, 192, 256].contains(&(s * h))
+            && wg_smem_total as i32 <= dev.smem_optin
+            && forced != "mma";
+        if wgmma {
+            defines.push("-DFM_WGMMA".into());
+            defines.push("--gpu-architecture=sm_90a".into());
+        }
+
         let cubin = super::nvrtc::compile_cached_with("scorer.cu", crate::kernels::SCORER_CU, dev.cc, &defines)?;
         let module = Module::load(&cubin)?;
         // All tensors in one dtype (the stored one when they agree, else f32).
@@ -306,16 +329,24 @@ impl CudaScorer {
         for (kernel, &bytes) in project.iter().zip(&PROJECT_SMEM) {
             kernel.set_max_dynamic_smem(bytes as i32)?;
         }
-        let score = f("fm_score".into())?;
-        score.set_max_dynamic_smem(score_smem as i32)?;
-        let select = f("fm_select".into())?;
-        select.set_max_dynamic_smem((2 * TOPK_MAX * 8) as i32)?;
+        let (score, score_smem, score_tile, score_threads) = if wgmma {
+            let k = f("fm_score_wg".into())?;
+            k.set_max_dynamic_smem(wg_smem as i32)?;
+            (k, wg_smem, 128u32, 256u32)
+        } else {
+            let k = f("fm_score".into())?;
+            k.set_max_dynamic_smem(score_smem as i32)?;
+            (k, score_smem, 64u32, 32 * score_warps(s, h))
+        };
+        let select = [f("fm_select1".into())?, f("fm_select2".into())?];
+        select[1].set_max_dynamic_smem((2 * TOPK_MAX * 8) as i32)?;
         let pdl = dev.cc.0 >= 9;
         drop(_g);
         log::info!(
-            "kvswap: fm scorer on cuda device={} scorers={s} heads={h} head_dim={d} hidden={hidden} weights={} ({:.1} MB) sync={}",
+            "kvswap: fm scorer on cuda device={} scorers={s} heads={h} head_dim={d} hidden={hidden} weights={} ({:.1} MB) kernel={} sync={}",
             dev.ordinal,
             tag,
+            if wgmma { "wgmma" } else { "mma.sync" },
             image.len() as f64 / 1e6,
             sync as u8
         );
@@ -330,6 +361,9 @@ impl CudaScorer {
             score,
             select,
             score_smem,
+            score_tile,
+            score_threads,
+            wgmma,
             sync,
             workspaces: Mutex::new(HashMap::new()),
             _module: module,
@@ -454,7 +488,7 @@ impl CudaScorer {
                     return self.run_split(seqs, qw, k, ensemble, stream);
                 }
                 let skey = ws.skey.ptr + (i * ws.chunks * 4) as u64;
-                let hist = ws.hist.ptr + (i * HIST * 4) as u64;
+                let hist = ws.hist.ptr + (i * 2 * HIST * 4) as u64;
                 sb.seq[i] = ScoreSeq {
                     keys: q.keys.data,
                     scales: q.keys.scales,
@@ -469,22 +503,22 @@ impl CudaScorer {
                     skey,
                     hist,
                     st: ws.state.ptr + (i * 16) as u64,
-                    sure: ws.sure.ptr + (i * TOPK_MAX * 4) as u64,
-                    tie: ws.tie.ptr + (i * ws.chunks * 4) as u64,
+                    sure: ws.sure.ptr + (i * TOPK_MAX * 8) as u64,
+                    tie: ws.tie.ptr + (i * ws.chunks * 8) as u64,
                     out: q.out,
                     n: q.n_chunks as u32,
                     pad: 0,
                 };
             }
-            let tiles = group.iter().map(|q| q.n_chunks.div_ceil(64)).max().unwrap_or(1) as u32;
-            let per_seq = tiles.min((2 * sm / b as u32).max(1));
+            let tiles = group.iter().map(|q| q.n_chunks.div_ceil(self.score_tile as usize)).max().unwrap_or(1) as u32;
+            let resident = if self.wgmma { sm } else { 2 * sm };  // blocks per SM: 1 (wgmma) or 2
+            let per_seq = tiles.min((resident / b as u32).max(1));
             let mut params = [&mut sb as *mut ScoreBatch as *mut c_void, &mut err as *mut u64 as *mut c_void];
             // SAFETY: parameters match fm_score(ScoreBatch, u32*); keys checked above.
-            unsafe { self.launch.dependent(&self.score, (per_seq, b as u32), 32 * score_warps(self.n_scorers, self.heads), self.score_smem, s, &mut params)? };
-            let sel_blocks = (max_chunks as u32).div_ceil(SEL_THREADS * 8).clamp(1, (sm / b as u32).max(1));
-            let mut params = [&mut sel as *mut SelectBatch as *mut c_void, &mut err as *mut u64 as *mut c_void];
-            // SAFETY: parameters match fm_select(SelectBatch, const u32*).
-            unsafe { self.launch.dependent(&self.select, (sel_blocks, b as u32), SEL_THREADS, (2 * TOPK_MAX * 8) as u32, s, &mut params)? };
+            unsafe { self.launch.dependent(&self.score, (per_seq, b as u32), self.score_threads, self.score_smem, s, &mut params)? };
+            // fm_select covers SEL_THREADS * 8 chunks per block.
+            let sel_blocks = (max_chunks as u32).div_ceil(SEL_THREADS * 8);
+            launch_select(&self.launch, &self.select, &mut sel, sel_blocks, err, s)?;
         }
         if self.sync {
             driver::stream_sync(s)?;
@@ -541,6 +575,19 @@ impl CudaScorer {
     }
 }
 
+/// The two selection passes (kernels/scorer.cu: fm_select1, fm_select2), each
+/// a programmatic dependent of the kernel before it.
+fn launch_select(launch: &Launch, k: &[Kernel; 2], sel: &mut SelectBatch, blocks: u32, err: u64, s: CUstream) -> Result<()> {
+    let mut err = err;
+    let grid = (blocks, sel.n_seqs);
+    let mut params = [sel as *mut SelectBatch as *mut c_void];
+    // SAFETY: parameters match fm_select1(SelectBatch); buffers sized by the workspace.
+    unsafe { launch.dependent(&k[0], grid, SEL_THREADS, 0, s, &mut params)? };
+    let mut params = [sel as *mut SelectBatch as *mut c_void, &mut err as *mut u64 as *mut c_void];
+    // SAFETY: parameters match fm_select2(SelectBatch, const u32*).
+    unsafe { launch.dependent(&k[1], grid, SEL_THREADS, (2 * TOPK_MAX * 8) as u32, s, &mut params) }
+}
+
 fn score_warps(scorers: usize, heads: usize) -> u32 {
     (2 * scorers * (heads / heads.min(64))) as u32
 }
@@ -562,7 +609,14 @@ impl ScorerBackend for CudaScorer {
     }
     fn describe(&self) -> String {
         let d = self.device();
-        format!("cuda device={} name=\"{}\" sm_{}{} tensor-core scorer", d.ordinal, d.name, d.cc.0, d.cc.1)
+        format!(
+            "cuda device={} name=\"{}\" sm_{}{} scorer kernel={}",
+            d.ordinal,
+            d.name,
+            d.cc.0,
+            d.cc.1,
+            if self.wgmma { "wgmma" } else { "mma.sync" }
+        )
     }
     unsafe fn score_topk(&self, seq: &SeqRef, k: usize, ensemble: Ensemble, stream: StreamHandle) -> Result<()> {
         // SAFETY: forwarded caller contract.
@@ -580,7 +634,7 @@ impl ScorerBackend for CudaScorer {
 /// The key-bounds scorer on one GPU (shared by every call on that device).
 pub struct CudaBounds {
     bounds: Kernel,
-    select: Kernel,
+    select: [Kernel; 2],
     sync: bool,
     workspaces: Mutex<HashMap<u64, Workspace>>,
     _module: Module,
@@ -605,8 +659,8 @@ impl CudaBounds {
         let cubin = super::nvrtc::compile_cached("scorer.cu", crate::kernels::SCORER_CU, dev.cc)?;
         let module = Module::load(&cubin)?;
         let bounds = module.function(c"fm_bounds_score")?;
-        let select = module.function(c"fm_select")?;
-        select.set_max_dynamic_smem((2 * TOPK_MAX * 8) as i32)?;
+        let select = [module.function(c"fm_select1")?, module.function(c"fm_select2")?];
+        select[1].set_max_dynamic_smem((2 * TOPK_MAX * 8) as i32)?;
         let pdl = dev.cc.0 >= 9;
         drop(_g);
         let b = Arc::new(CudaBounds { bounds, select, sync, workspaces: Mutex::new(HashMap::new()), _module: module, launch: Launch { device: dev, pdl } });
@@ -674,10 +728,8 @@ impl BoundsBackend for CudaBoundsHandle {
             n: b.n_chunks as u32,
             pad: 0,
         };
-        let blocks = (b.n_chunks as u32).div_ceil(SEL_THREADS * 8).clamp(1, sm);
-        let mut params = [&mut sel as *mut SelectBatch as *mut c_void, &mut err as *mut u64 as *mut c_void];
-        // SAFETY: parameters match fm_select(SelectBatch, const u32*).
-        unsafe { me.launch.dependent(&me.select, (blocks, 1), SEL_THREADS, (2 * TOPK_MAX * 8) as u32, s, &mut params)? };
+        let blocks = (b.n_chunks as u32).div_ceil(SEL_THREADS * 8);
+        launch_select(&me.launch, &me.select, &mut sel, blocks, err, s)?;
         if me.sync {
             driver::stream_sync(s)?;
             ws.take_error(s)?;
