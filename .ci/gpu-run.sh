@@ -19,6 +19,13 @@ if [[ $what == scorer ]]; then
   step scorer-gpu     $T/scorer_gpu --ignored --test-threads=1
   step scorer-gpu-mma env KVSWAP_FM_KERNEL=mma $T/scorer_gpu --ignored --test-threads=1
 fi
+if [[ $what == ffi ]]; then
+  .gpu/kvswap fm init --hidden 64 --heads 16 --head-dim 64 --scorers 2 --dtype bf16 --seed 7 --out "$OUT/fm-test.safetensors" >/dev/null
+  FM="KVSWAP_TEST_FM_CKPT=$OUT/fm-test.safetensors KVSWAP_TEST_REQUIRE_FM_CKPT=1"
+  step ffi-c-cuda   env KVSWAP_TEST_BACKEND=cuda $FM .gpu/ffi/test_abi
+  step ffi-cpp-cuda env KVSWAP_TEST_BACKEND=cuda $FM .gpu/ffi/test_abi_cpp
+  tail -15 "$OUT/ffi-c-cuda.log"
+fi
 if [[ $what == multi ]]; then
   step multi-cuda     env KVSWAP_TEST_BACKEND=cuda $T/multi
   step bench-multi .gpu/kvswap bench --backend cuda --multi-gpu --json "$OUT/bench-multi.json"
@@ -32,8 +39,11 @@ if [[ $what == tests || $what == all ]]; then
   step model-cuda     env KVSWAP_TEST_BACKEND=cuda $T/model
   step threads-cuda   env KVSWAP_TEST_BACKEND=cuda $T/threads
   if [[ -x .gpu/ffi/test_abi ]]; then
-    step ffi-c-cuda   env KVSWAP_TEST_BACKEND=cuda .gpu/ffi/test_abi
-    step ffi-cpp-cuda env KVSWAP_TEST_BACKEND=cuda .gpu/ffi/test_abi_cpp
+    # The scorer groups of the C tests read a small checkpoint (as tests/ffi_c.rs makes it).
+    .gpu/kvswap fm init --hidden 64 --heads 16 --head-dim 64 --scorers 2 --dtype bf16 --seed 7 --out "$OUT/fm-test.safetensors" >/dev/null
+    FM="KVSWAP_TEST_FM_CKPT=$OUT/fm-test.safetensors KVSWAP_TEST_REQUIRE_FM_CKPT=1"
+    step ffi-c-cuda   env KVSWAP_TEST_BACKEND=cuda $FM .gpu/ffi/test_abi
+    step ffi-cpp-cuda env KVSWAP_TEST_BACKEND=cuda $FM .gpu/ffi/test_abi_cpp
   fi
 fi
 if [[ $what == sanitize || $what == all ]]; then

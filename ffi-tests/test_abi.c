@@ -1,10 +1,19 @@
 /*
- * C11 test of the kvswap C ABI (include/kvswap.h), on the CPU backend.
+ * C11 test of the kvswap C ABI (include/kvswap.h), on the backend that
+ * KVSWAP_TEST_BACKEND selects: cpu (default) or cuda (see devmem.h).
  *
  * Every function of the header is called; the residency rules of DESIGN.md
  * are checked slot by slot over a hand-derived script and then against a
  * small reference model; every guard is checked for its status, a useful
  * kvswap_last_error() and an unchanged state afterwards.
+ *
+ * Every pointer handed to kvswap goes through the devmem adapter: store
+ * sources, index buffers and engine-owned staging are device memory on CUDA
+ * (host memory on the CPU backend), uploaded before a call and read back
+ * after it, and staged bytes are read through kvswap_layer_staging's pointer
+ * after the stream is synchronised. On CUDA every call gets a real stream;
+ * the CUDA-only checks (legacy stream and host pointers refused) are in
+ * test_streams_and_pointers.
  *
  * Prints one line per test group; exits 1 at the first failure with
  * file:line and the text of kvswap_last_error().
@@ -12,6 +21,7 @@
 #define _POSIX_C_SOURCE 200809L
 
 #include "kvswap.h"
+#include "devmem.h"
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -80,6 +90,125 @@ static const char *sname(enum KvswapStatus s) { return kvswap_status_name((int32
 static void group_done(const char *name) {
     printf("ok   %s\n", name);
     fflush(stdout);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Pointers handed to kvswap, through the devmem adapter                     */
+/* ------------------------------------------------------------------------ */
+
+/* The stream every kvswap call of the test uses: dm_stream() (NULL on the
+ * CPU backend, the main CUstream on CUDA) unless a test switches it. */
+static void *g_stream;
+static bool g_stream_set;
+
+static void *cur_stream(void) { return g_stream_set ? g_stream : dm_stream(); }
+
+/* Switches the stream of the following calls, after waiting for the work
+ * of the current one (streams are not ordered with each other). */
+static void use_stream(void *s) {
+    dm_stream_sync(cur_stream());
+    dm_sync();
+    g_stream = s;
+    g_stream_set = true;
+}
+
+/* A reusable "device" buffer. On the CPU backend it is reallocated at the
+ * exact size of each use, so that ASan and valgrind see any access past the
+ * bytes a call may touch; on CUDA it only grows (cuMemFree waits for the
+ * device). Uploads into it are ordered after earlier calls on the main
+ * stream, which may still read it. */
+typedef struct Scratch {
+    void *p;
+    size_t cap;
+} Scratch;
+
+static Scratch g_idx, g_src;
+
+static void *scratch_get(Scratch *s, size_t n) {
+    if (s->p && (dm_is_cuda() ? n <= s->cap : n == s->cap)) return s->p;
+    dm_free(s->p);
+    s->p = dm_alloc(n);
+    s->cap = n;
+    return s->p;
+}
+
+static void scratch_release(Scratch *s) {
+    dm_free(s->p);
+    s->p = NULL;
+    s->cap = 0;
+}
+
+/* Before a call on `stream`: work of the main stream (an upload) is done. */
+static void before_call(void *stream) {
+    if (stream != dm_stream()) dm_sync();
+}
+
+/* After a call on `stream`: its work is done before the main stream goes on. */
+static void after_call(void *stream) {
+    if (stream != dm_stream()) dm_stream_sync(stream);
+}
+
+/* kvswap_store of `bytes` host bytes, uploaded to a device buffer first. */
+static enum KvswapStatus store_on(void *stream, KvswapContext *ctx, uint32_t layer, int32_t id, const void *src, size_t bytes) {
+    void *d = scratch_get(&g_src, bytes);
+    dm_upload(d, src, bytes);
+    before_call(stream);
+    enum KvswapStatus s = kvswap_store(ctx, layer, id, d, stream);
+    after_call(stream);
+    return s;
+}
+
+/* kvswap_store_batch from `src_bytes` host bytes (the rows and what lies
+ * between them), uploaded to a device buffer first. `ids` is host memory. */
+static enum KvswapStatus store_batch_on(void *stream, KvswapContext *ctx, uint32_t layer, const int32_t *ids, size_t n,
+                                        const void *src, size_t src_bytes, size_t src_stride) {
+    void *d = scratch_get(&g_src, src_bytes);
+    dm_upload(d, src, src_bytes);
+    before_call(stream);
+    enum KvswapStatus s = kvswap_store_batch(ctx, layer, ids, n, d, src_stride, stream);
+    after_call(stream);
+    return s;
+}
+
+/* kvswap_swap_in_selected over the `n` entries of `buf` (the window, the
+ * selection and anything after it): uploaded to a device buffer before the
+ * call and downloaded back into `buf` after it, whatever its outcome. */
+static enum KvswapStatus swap_on(void *stream, KvswapContext *ctx, uint32_t layer, int32_t *buf, size_t n, uint32_t window,
+                                 uint32_t count) {
+    size_t bytes = n * sizeof(int32_t);
+    int32_t *d = (int32_t *)scratch_get(&g_idx, bytes);
+    dm_upload(d, buf, bytes);
+    before_call(stream);
+    enum KvswapStatus s = kvswap_swap_in_selected(ctx, layer, d, window, count, stream);
+    after_call(stream);
+    dm_sync();
+    dm_download(buf, d, bytes);
+    return s;
+}
+
+#define store_dev(ctx, layer, id, src, bytes) store_on(cur_stream(), ctx, layer, id, src, bytes)
+#define store_batch_dev(ctx, layer, ids, n, src, src_bytes, stride) \
+    store_batch_on(cur_stream(), ctx, layer, ids, n, src, src_bytes, stride)
+#define swap_dev(ctx, layer, buf, n, window, count) swap_on(cur_stream(), ctx, layer, buf, n, window, count)
+
+/* A host copy of `rows` staging rows of `chunk_bytes` at `stride` from
+ * `ptr` (a pointer of kvswap_layer_staging or an engine staging buffer),
+ * read after the stream is synchronised. Free it with free(). */
+static uint8_t *staging_copy(const void *ptr, size_t stride, uint32_t rows, size_t chunk_bytes) {
+    size_t span = rows ? (size_t)(rows - 1) * stride + chunk_bytes : 1;
+    uint8_t *h = (uint8_t *)malloc(span);
+    if (!h) FAIL("out of host memory");
+    dm_stream_sync(cur_stream());
+    dm_sync();
+    if (rows) dm_download(h, ptr, span);
+    return h;
+}
+
+/* A device buffer holding a copy of `bytes` host bytes (free with dm_free). */
+static void *dev_copy(const void *src, size_t bytes) {
+    void *d = dm_alloc(bytes);
+    dm_upload(d, src, bytes);
+    return d;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -193,10 +322,11 @@ typedef struct Layer {
     uint64_t stores, swap_calls;
 } Layer;
 
-static KvswapConfig cpu_config(uint32_t enable, uint32_t gpu_chunks, uint32_t index_topk) {
+/* The defaults, on the backend under test (dm_backend()). */
+static KvswapConfig test_config(uint32_t enable, uint32_t gpu_chunks, uint32_t index_topk) {
     KvswapConfig c;
     CHECK_OK(kvswap_config_default(&c));
-    c.backend = KVSWAP_BACKEND_CPU;
+    c.backend = dm_backend();
     c.enable = enable;
     c.gpu_chunks = gpu_chunks;
     c.index_topk = index_topk;
@@ -235,7 +365,7 @@ static void store_one_at(int line, Layer *L, uint32_t id) {
     uint8_t buf[MAX_CB];
     uint32_t v = L->version[id] + 1;
     fill_chunk(buf, L->chunk_bytes, L->layer, id, v);
-    CHECK_OK_AT(line, kvswap_store(L->ctx, L->layer, (int32_t)id, buf, NULL));
+    CHECK_OK_AT(line, store_dev(L->ctx, L->layer, (int32_t)id, buf, L->chunk_bytes));
     L->version[id] = v;
     L->stores++;
 }
@@ -258,14 +388,16 @@ static void check_staged_at(int line, Layer *L) {
     CHECK_AT(line, ptr != NULL);
     CHECK_AT(line, rows == L->slots);
     CHECK_AT(line, stride >= L->chunk_bytes);
+    uint8_t *rows_copy = staging_copy(ptr, stride, rows, L->chunk_bytes);
     for (uint32_t s = 0; s < L->slots; s++) {
         int32_t id = L->model.slot_chunk[s];
         if (id < 0) continue;
-        const uint8_t *row = (const uint8_t *)ptr + (size_t)s * stride;
+        const uint8_t *row = rows_copy + (size_t)s * stride;
         if (!chunk_is(row, L->chunk_bytes, L->layer, (uint32_t)id, L->version[id]))
             FAIL_AT(line, "layer %u slot %u: staged bytes are not chunk %d version %u", L->layer, s, id,
                     L->version[id]);
     }
+    free(rows_copy);
 }
 #define check_staged(L) check_staged_at(__LINE__, L)
 
@@ -309,7 +441,7 @@ static void swap_ok_at(int line, Layer *L, uint32_t window, uint32_t count, cons
             if (want[i] != expected[i])
                 FAIL_AT(line, "test bug: the model says entry %u -> %d, the script says %d", i, want[i], expected[i]);
     }
-    CHECK_OK_AT(line, kvswap_swap_in_selected(L->ctx, L->layer, buf, window, count, NULL));
+    CHECK_OK_AT(line, swap_dev(L->ctx, L->layer, buf, window + count + 1, window, count));
     L->swap_calls++;
     for (uint32_t i = 0; i < window; i++)
         if (buf[i] != WIN_SENTINEL(i)) FAIL_AT(line, "window entry %u changed to %d", i, buf[i]);
@@ -439,33 +571,35 @@ static int32_t resolve_pick(const Layer *L, int32_t v) {
 
 /* A swap-in that must be refused with `want`, a message containing `substr`,
  * and leave the index buffer, every counter and the LRU order unchanged. */
-static void swap_refused_at(int line, Layer *L, KvswapContext *ctx, uint32_t layer, int32_t *indices_or_null,
+static void swap_refused_at(int line, void *stream, Layer *L, KvswapContext *ctx, uint32_t layer, int32_t *indices_or_null,
                             const int32_t *sel, uint32_t window, uint32_t count, enum KvswapStatus want,
                             const char *substr, uint32_t n_layers) {
     int32_t buf[128], copy[128];
     uint32_t n = window + count + 1;
-    int32_t *ind = NULL;
     if (indices_or_null) {
         CHECK_AT(line, n <= 128);
         for (uint32_t i = 0; i < window; i++) buf[i] = WIN_SENTINEL(i);
         for (uint32_t i = 0; i < count; i++) buf[window + i] = resolve_pick(L, sel[i]);
         buf[window + count] = TAIL_SENTINEL;
         memcpy(copy, buf, n * sizeof(int32_t));
-        ind = buf;
     }
     Snapshot before = snapshot_at(line, L->ctx, n_layers);
-    enum KvswapStatus s = kvswap_swap_in_selected(ctx, layer, ind, window, count, NULL);
+    /* The index buffer is device memory on CUDA, read back after the call. */
+    enum KvswapStatus s = indices_or_null ? swap_on(stream, ctx, layer, buf, n, window, count)
+                                          : kvswap_swap_in_selected(ctx, layer, NULL, window, count, stream);
     if (s != want) FAIL_AT(line, "swap_in_selected returned %s, expected %s", sname(s), sname(want));
     CHECK_MSG_AT(line, substr);
     CHECK_MSG_AT(line, "kvswap_swap_in_selected");
-    if (ind && memcmp(copy, buf, n * sizeof(int32_t)) != 0) FAIL_AT(line, "a refused swap-in changed the index buffer");
+    if (indices_or_null && memcmp(copy, buf, n * sizeof(int32_t)) != 0) FAIL_AT(line, "a refused swap-in changed the index buffer");
     same_snapshot_at(line, L->ctx, &before);
     check_staged_at(line, L);
     /* The LRU order is undisturbed: a full probe gives the model's slots. */
     probe_lru_at(line, L, rnd(L->cap));
 }
 #define swap_refused(L, ctx, layer, ind, sel, window, count, want, substr, nl) \
-    swap_refused_at(__LINE__, L, ctx, layer, ind, sel, window, count, want, substr, nl)
+    swap_refused_at(__LINE__, cur_stream(), L, ctx, layer, ind, sel, window, count, want, substr, nl)
+#define swap_refused_on(stream, L, ctx, layer, ind, sel, window, count, want, substr, nl) \
+    swap_refused_at(__LINE__, stream, L, ctx, layer, ind, sel, window, count, want, substr, nl)
 
 /* ------------------------------------------------------------------------ */
 /* Test groups                                                               */
@@ -695,7 +829,7 @@ static void test_logging(void) {
     CHECK_OK(kvswap_set_log_callback(log_cb, &log_token));
 
     /* Swap on for layer 0 (cap 16 > 4 slots), off for layer 1 (cap 4 <= 4). */
-    KvswapConfig cfg = cpu_config(1, 4, 4);
+    KvswapConfig cfg = test_config(1, 4, 4);
     KvswapLayerSpec specs[2] = {layer_spec(16, 64), layer_spec(4, 64)};
     log_reset();
     KvswapContext *ctx = create_ok(&cfg, specs, 2);
@@ -770,8 +904,8 @@ static void create_refused_at(int line, const KvswapConfig *cfg, const KvswapLay
 static void test_create_destroy_info(void) {
     kvswap_destroy(NULL); /* no-op */
 
-    KvswapConfig cfg = cpu_config(1, 4, 4);
-    uint8_t engine_staging[4 * 96];
+    KvswapConfig cfg = test_config(1, 4, 4);
+    void *engine_staging = dm_alloc(4 * 96); /* engine-owned: device memory on CUDA */
     KvswapLayerSpec specs[3] = {layer_spec(16, 64), layer_spec(3, 32), layer_spec(100, 80)};
     specs[2].staging = engine_staging;
     specs[2].staging_stride = 96;
@@ -780,8 +914,8 @@ static void test_create_destroy_info(void) {
     KvswapContextInfo info;
     memset(&info, 0xA5, sizeof info);
     CHECK_OK(kvswap_context_info(ctx, &info));
-    CHECK_EQ(info.backend, KVSWAP_BACKEND_CPU);
-    CHECK_EQ(info.device, -1);
+    CHECK_EQ(info.backend, dm_backend());
+    CHECK_EQ(info.device, dm_is_cuda() ? 0 : -1);
     CHECK_EQ(info.n_layers, 3);
     CHECK_EQ(info.swap_layers, 2);
     CHECK_EQ(info.host_tier_bytes, 16 * 64 + 3 * 32 + 100 * 80);
@@ -816,7 +950,7 @@ static void test_create_destroy_info(void) {
     size_t stride;
     uint32_t rows;
     CHECK_OK(kvswap_layer_staging(ctx, 2, &ptr, &stride, &rows));
-    CHECK(ptr == (void *)engine_staging);
+    CHECK(ptr == engine_staging);
     CHECK_EQ(stride, 96);
     CHECK_EQ(rows, 4);
     CHECK_OK(kvswap_layer_staging(ctx, 1, &ptr, &stride, &rows));
@@ -825,20 +959,26 @@ static void test_create_destroy_info(void) {
     CHECK_OK(kvswap_layer_staging(ctx, 0, &ptr, &stride, &rows));
     CHECK_EQ(stride, 64);
     CHECK_EQ(rows, 4);
-    CHECK_OK(kvswap_sync(ctx, NULL));
+    CHECK_OK(kvswap_sync(ctx, cur_stream()));
     kvswap_destroy(ctx);
 
-    /* The auto backend on a machine without CUDA is the CPU. */
+    /* The auto backend: CUDA on the CUDA run; the CPU on a machine without
+     * a CUDA driver; either on a CPU run where a driver is installed. */
     cfg.backend = KVSWAP_BACKEND_AUTO;
     ctx = create_ok(&cfg, specs, 1);
     CHECK_OK(kvswap_context_info(ctx, &info));
-    CHECK_EQ(info.backend, KVSWAP_BACKEND_CPU);
+    if (dm_is_cuda())
+        CHECK_EQ(info.backend, KVSWAP_BACKEND_CUDA);
+    else if (!dm_driver_present())
+        CHECK_EQ(info.backend, KVSWAP_BACKEND_CPU);
+    else
+        CHECK(info.backend == KVSWAP_BACKEND_CPU || info.backend == KVSWAP_BACKEND_CUDA);
     kvswap_destroy(ctx);
     group_done("create, destroy (NULL too), context_info, layer_staging, auto backend");
 
     /* ---- guards ---- */
     KvswapLayerSpec one = layer_spec(16, 64);
-    cfg = cpu_config(1, 4, 4);
+    cfg = test_config(1, 4, 4);
     KvswapContext *out = NULL;
     CHECK_ERR(kvswap_create(NULL, &one, 1, &out), KVSWAP_STATUS_NULL_POINTER, "config");
     CHECK(out == NULL);
@@ -892,19 +1032,19 @@ static void test_create_destroy_info(void) {
     create_refused(&c2, &one, 1, KVSWAP_STATUS_INVALID_ARGUMENT, "fm_ckpt");
 
     /* gpu_chunks < index_topk with swap on: refused unless the test flag is set. */
-    c2 = cpu_config(1, 4, 8);
+    c2 = test_config(1, 4, 8);
     create_refused(&c2, &one, 1, KVSWAP_STATUS_TOPK_GUARD, "index_topk");
     CHECK_MSG("gpu_chunks=4");
     CHECK_MSG("KVSWAP_TEST_ALLOW_TOPK_REDUCTION");
     c2.test_allow_topk_reduction = 1;
     ctx = create_ok(&c2, &one, 1);
     kvswap_destroy(ctx);
-    c2 = cpu_config(0, 4, 8); /* swap off: no guard */
+    c2 = test_config(0, 4, 8); /* swap off: no guard */
     ctx = create_ok(&c2, &one, 1);
     kvswap_destroy(ctx);
 
     /* Pinned host tier over the cap: 1024 x 2048 B = 2 MiB > 1 MiB. */
-    c2 = cpu_config(1, 4, 4);
+    c2 = test_config(1, 4, 4);
     c2.pinned_mib = 1;
     KvswapLayerSpec big = layer_spec(1024, 2048);
     create_refused(&c2, &big, 1, KVSWAP_STATUS_PINNED_CAP, "required_mib=2");
@@ -917,21 +1057,39 @@ static void test_create_destroy_info(void) {
     ctx = create_ok(&c2, halves, 1);
     kvswap_destroy(ctx);
 
-    /* An explicit CUDA backend on a machine without a GPU or libcuda. */
-    c2 = cpu_config(1, 4, 4);
+    /* An explicit CUDA backend: refused with NO_DEVICE on a machine without
+     * libcuda; created on the CUDA run, where a missing device is NO_DEVICE. */
+    c2 = test_config(1, 4, 4);
     c2.backend = KVSWAP_BACKEND_CUDA;
-    create_refused(&c2, &one, 1, KVSWAP_STATUS_NO_DEVICE, "");
-    CHECK(strlen(last_err()) > strlen("kvswap_create: "));
-    group_done("create guards: NULLs, zero sizes, bad flags, TOPK_GUARD, PINNED_CAP, NO_DEVICE; *out untouched");
+    if (dm_is_cuda()) {
+        ctx = create_ok(&c2, &one, 1);
+        memset(&info, 0xA5, sizeof info);
+        CHECK_OK(kvswap_context_info(ctx, &info));
+        CHECK_EQ(info.backend, KVSWAP_BACKEND_CUDA);
+        CHECK_EQ(info.device, 0);
+        CHECK_EQ(info.n_layers, 1);
+        CHECK_EQ(info.swap_layers, 1);
+        kvswap_destroy(ctx);
+        c2.device = 99;
+        create_refused(&c2, &one, 1, KVSWAP_STATUS_NO_DEVICE, "99");
+    } else if (!dm_driver_present()) {
+        create_refused(&c2, &one, 1, KVSWAP_STATUS_NO_DEVICE, "");
+        CHECK(strlen(last_err()) > strlen("kvswap_create: "));
+    } else {
+        printf("note: libcuda.so.1 is present: NO_DEVICE of an explicit CUDA backend not checked on the CPU run\n");
+    }
+    dm_free(engine_staging);
+    group_done(dm_is_cuda() ? "create guards: NULLs, zero sizes, bad flags, TOPK_GUARD, PINNED_CAP, explicit CUDA, NO_DEVICE (device 99); *out untouched"
+                            : "create guards: NULLs, zero sizes, bad flags, TOPK_GUARD, PINNED_CAP, NO_DEVICE; *out untouched");
 }
 
 /* ---- store, store_batch, staging bytes, refresh ---- */
 
 static void test_store_and_staging(void) {
-    KvswapConfig cfg = cpu_config(1, 4, 4);
+    KvswapConfig cfg = test_config(1, 4, 4);
     enum { CB = 64, EXTRA = 24, ESTRIDE = 96 };
-    uint8_t engine[4 * ESTRIDE];
-    memset(engine, 0xEE, sizeof engine);
+    void *engine = dm_alloc(4 * ESTRIDE); /* engine-owned staging: device memory on CUDA */
+    dm_memset(engine, 0xEE, 4 * ESTRIDE);
     KvswapLayerSpec specs[2] = {layer_spec(16, CB), layer_spec(16, CB)};
     specs[1].staging = engine;
     specs[1].staging_stride = ESTRIDE;
@@ -950,7 +1108,7 @@ static void test_store_and_staging(void) {
             ids[i] = (int32_t)(15 - i);
             fill_chunk(src + i * (CB + EXTRA), CB, l, 15 - i, 1);
         }
-        CHECK_OK(kvswap_store_batch(ctx, l, ids, 8, src, CB + EXTRA, NULL));
+        CHECK_OK(store_batch_dev(ctx, l, ids, 8, src, sizeof src, CB + EXTRA));
         for (uint32_t i = 8; i < 16; i++) L.version[i] = 1;
         L.stores += 8;
         /* A batch with src_stride 0 (= chunk_bytes): new versions of 2 and 3. */
@@ -958,7 +1116,7 @@ static void test_store_and_staging(void) {
         int32_t ids2[2] = {2, 3};
         fill_chunk(packed, CB, l, 2, 2);
         fill_chunk(packed + CB, CB, l, 3, 2);
-        CHECK_OK(kvswap_store_batch(ctx, l, ids2, 2, packed, 0, NULL));
+        CHECK_OK(store_batch_dev(ctx, l, ids2, 2, packed, sizeof packed, 0));
         L.version[2] = L.version[3] = 2;
         L.stores += 2;
         KvswapLayerStats s = stats_of(ctx, l);
@@ -985,7 +1143,7 @@ static void test_store_and_staging(void) {
         uint8_t two[2 * (CB + 8)];
         fill_chunk(two, CB, l, 15, 2);
         fill_chunk(two + CB + 8, CB, l, 3, 3);
-        CHECK_OK(kvswap_store_batch(ctx, l, ids3, 2, two, CB + 8, NULL));
+        CHECK_OK(store_batch_dev(ctx, l, ids3, 2, two, sizeof two, CB + 8));
         L.version[15] = 2;
         L.version[3] = 3;
         L.stores += 2;
@@ -996,12 +1154,15 @@ static void test_store_and_staging(void) {
         const int32_t sel2[2] = {9, 8};
         swap_ok(&L, 0, 2, sel2, NULL);
         check_stats(&L);
-        CHECK_OK(kvswap_sync(ctx, NULL));
+        CHECK_OK(kvswap_sync(ctx, cur_stream()));
     }
     /* Engine staging: the bytes between rows (stride 96 > 64) were never written. */
+    uint8_t *eng = staging_copy(engine, ESTRIDE, 4, ESTRIDE);
     for (uint32_t s = 0; s < 4; s++)
-        for (uint32_t b = CB; b < ESTRIDE; b++) CHECK(engine[s * ESTRIDE + b] == 0xEE);
+        for (uint32_t b = CB; b < ESTRIDE; b++) CHECK(eng[s * ESTRIDE + b] == 0xEE);
+    free(eng);
     kvswap_destroy(ctx);
+    dm_free(engine);
     group_done("store, store_batch (src_stride > chunk_bytes and 0), refresh of resident slots, layer_staging bytes, sync");
 }
 
@@ -1044,7 +1205,7 @@ static void test_lru_script(void) {
         /* hits 0 (s3), 15 (s2); 6 -> s0 (evicts 4), 7 -> s1 (evicts 5) */
         {3, 4, {0, 6, 15, 7}, {3 + 3, 3 + 0, 3 + 2, 3 + 1}, 11, 19, 15, 4},
     };
-    KvswapConfig cfg = cpu_config(1, 4, 4);
+    KvswapConfig cfg = test_config(1, 4, 4);
     KvswapLayerSpec specs[2] = {layer_spec(16, 48), layer_spec(32, 16)};
     KvswapContext *ctx = create_ok(&cfg, specs, 2);
     Layer L;
@@ -1091,7 +1252,7 @@ static void test_lru_script(void) {
 /* ---- guards on a live context; the state is unchanged after each ---- */
 
 static void test_guards(void) {
-    KvswapConfig cfg = cpu_config(1, 4, 4);
+    KvswapConfig cfg = test_config(1, 4, 4);
     KvswapLayerSpec specs[2] = {layer_spec(16, 32), layer_spec(16, 32)};
     KvswapContext *ctx = create_ok(&cfg, specs, 2);
     Layer L;
@@ -1142,10 +1303,14 @@ static void test_guards(void) {
     swap_refused(&L, ctx, 0, NULL, NULL, 0, UINT32_MAX, KVSWAP_STATUS_NULL_POINTER, "indices", 2);
     {
         Snapshot before = snapshot_at(__LINE__, ctx, 2);
-        CHECK_ERR(kvswap_swap_in_selected(ctx, 0, &dummy, 0, UINT32_MAX, NULL), KVSWAP_STATUS_OUT_OF_RANGE, "count=");
-        CHECK_ERR(kvswap_swap_in_selected(ctx, 0, &dummy, UINT32_MAX, 1, NULL), KVSWAP_STATUS_OUT_OF_RANGE, "window_len");
-        CHECK_ERR(kvswap_swap_in_selected(ctx, 0, &dummy, (uint32_t)INT32_MAX - 2, 0, NULL), KVSWAP_STATUS_OUT_OF_RANGE, "window_len");
+        int32_t *d_dummy = (int32_t *)dev_copy(&dummy, sizeof dummy);
+        CHECK_ERR(kvswap_swap_in_selected(ctx, 0, d_dummy, 0, UINT32_MAX, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "count=");
+        CHECK_ERR(kvswap_swap_in_selected(ctx, 0, d_dummy, UINT32_MAX, 1, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "window_len");
+        CHECK_ERR(kvswap_swap_in_selected(ctx, 0, d_dummy, (uint32_t)INT32_MAX - 2, 0, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "window_len");
         same_snapshot_at(__LINE__, ctx, &before);
+        dm_sync();
+        dm_download(&dummy, d_dummy, sizeof dummy);
+        dm_free(d_dummy);
         CHECK(dummy == 0);
         probe_lru(&L, 3);
     }
@@ -1155,14 +1320,16 @@ static void test_guards(void) {
     /* ---- store / store_batch guards ---- */
     uint8_t chunk[32];
     fill_chunk(chunk, 32, 0, 1, 99);
+    void *dchunk = dev_copy(chunk, sizeof chunk);
+    void *S = cur_stream();
     Snapshot before = snapshot_at(__LINE__, ctx, 2);
-    CHECK_ERR(kvswap_store(NULL, 0, 1, chunk, NULL), KVSWAP_STATUS_NULL_POINTER, "ctx");
+    CHECK_ERR(kvswap_store(NULL, 0, 1, dchunk, S), KVSWAP_STATUS_NULL_POINTER, "ctx");
     CHECK_MSG("kvswap_store");
-    CHECK_ERR(kvswap_store(ctx, 0, 1, NULL, NULL), KVSWAP_STATUS_NULL_POINTER, "src");
-    CHECK_ERR(kvswap_store(ctx, 2, 1, chunk, NULL), KVSWAP_STATUS_OUT_OF_RANGE, "layer 2");
-    CHECK_ERR(kvswap_store(ctx, 0, -1, chunk, NULL), KVSWAP_STATUS_OUT_OF_RANGE, "-1");
-    CHECK_ERR(kvswap_store(ctx, 0, 16, chunk, NULL), KVSWAP_STATUS_OUT_OF_RANGE, "16");
-    CHECK_ERR(kvswap_store(ctx, 0, INT32_MIN, chunk, NULL), KVSWAP_STATUS_OUT_OF_RANGE, "-2147483648");
+    CHECK_ERR(kvswap_store(ctx, 0, 1, NULL, S), KVSWAP_STATUS_NULL_POINTER, "src");
+    CHECK_ERR(kvswap_store(ctx, 2, 1, dchunk, S), KVSWAP_STATUS_OUT_OF_RANGE, "layer 2");
+    CHECK_ERR(kvswap_store(ctx, 0, -1, dchunk, S), KVSWAP_STATUS_OUT_OF_RANGE, "-1");
+    CHECK_ERR(kvswap_store(ctx, 0, 16, dchunk, S), KVSWAP_STATUS_OUT_OF_RANGE, "16");
+    CHECK_ERR(kvswap_store(ctx, 0, INT32_MIN, dchunk, S), KVSWAP_STATUS_OUT_OF_RANGE, "-2147483648");
 
     int32_t resident_id = L.model.slot_chunk[0];
     int32_t ids_bad[3] = {resident_id, 13, 99};
@@ -1170,24 +1337,27 @@ static void test_guards(void) {
     fill_chunk(rows, 32, 0, (uint32_t)resident_id, 77);
     fill_chunk(rows + 32, 32, 0, 13, 77);
     fill_chunk(rows + 64, 32, 0, 99, 77);
-    CHECK_ERR(kvswap_store_batch(NULL, 0, ids_bad, 2, rows, 0, NULL), KVSWAP_STATUS_NULL_POINTER, "ctx");
+    void *drows = dev_copy(rows, sizeof rows);
+    CHECK_ERR(kvswap_store_batch(NULL, 0, ids_bad, 2, drows, 0, S), KVSWAP_STATUS_NULL_POINTER, "ctx");
     CHECK_MSG("kvswap_store_batch");
-    CHECK_ERR(kvswap_store_batch(ctx, 0, NULL, 2, rows, 0, NULL), KVSWAP_STATUS_NULL_POINTER, "ids");
-    CHECK_ERR(kvswap_store_batch(ctx, 0, ids_bad, 2, NULL, 0, NULL), KVSWAP_STATUS_NULL_POINTER, "src");
-    CHECK_ERR(kvswap_store_batch(ctx, 0, ids_bad, 0, rows, 0, NULL), KVSWAP_STATUS_INVALID_ARGUMENT, "n is 0");
-    CHECK_ERR(kvswap_store_batch(ctx, 2, ids_bad, 2, rows, 0, NULL), KVSWAP_STATUS_OUT_OF_RANGE, "layer 2");
+    CHECK_ERR(kvswap_store_batch(ctx, 0, NULL, 2, drows, 0, S), KVSWAP_STATUS_NULL_POINTER, "ids");
+    CHECK_ERR(kvswap_store_batch(ctx, 0, ids_bad, 2, NULL, 0, S), KVSWAP_STATUS_NULL_POINTER, "src");
+    CHECK_ERR(kvswap_store_batch(ctx, 0, ids_bad, 0, drows, 0, S), KVSWAP_STATUS_INVALID_ARGUMENT, "n is 0");
+    CHECK_ERR(kvswap_store_batch(ctx, 2, ids_bad, 2, drows, 0, S), KVSWAP_STATUS_OUT_OF_RANGE, "layer 2");
     /* One bad id among good ones: nothing is stored (not 13, not the resident chunk). */
-    CHECK_ERR(kvswap_store_batch(ctx, 0, ids_bad, 3, rows, 32, NULL), KVSWAP_STATUS_OUT_OF_RANGE, "99");
+    CHECK_ERR(kvswap_store_batch(ctx, 0, ids_bad, 3, drows, 32, S), KVSWAP_STATUS_OUT_OF_RANGE, "99");
     int32_t ids_neg[2] = {13, -7};
-    CHECK_ERR(kvswap_store_batch(ctx, 0, ids_neg, 2, rows, 32, NULL), KVSWAP_STATUS_OUT_OF_RANGE, "-7");
-    CHECK_ERR(kvswap_store_batch(ctx, 0, ids_bad, 2, rows, 16, NULL), KVSWAP_STATUS_INVALID_ARGUMENT, "src_stride");
+    CHECK_ERR(kvswap_store_batch(ctx, 0, ids_neg, 2, drows, 32, S), KVSWAP_STATUS_OUT_OF_RANGE, "-7");
+    CHECK_ERR(kvswap_store_batch(ctx, 0, ids_bad, 2, drows, 16, S), KVSWAP_STATUS_INVALID_ARGUMENT, "src_stride");
     same_snapshot_at(__LINE__, ctx, &before);
     check_staged(&L); /* the resident chunk still holds its old bytes */
     {
         int32_t buf[2] = {0, 13};
-        CHECK_ERR(kvswap_swap_in_selected(ctx, 0, buf, 1, 1, NULL), KVSWAP_STATUS_NOT_STORED, "13");
+        CHECK_ERR(swap_dev(ctx, 0, buf, 2, 1, 1), KVSWAP_STATUS_NOT_STORED, "13");
         CHECK(buf[0] == 0 && buf[1] == 13);
     }
+    dm_free(dchunk);
+    dm_free(drows);
     same_snapshot_at(__LINE__, ctx, &before);
     probe_lru(&L, 5);
     check_stats(&L1);
@@ -1226,7 +1396,7 @@ static void test_guards(void) {
 
     CHECK_ERR(kvswap_sync(NULL, NULL), KVSWAP_STATUS_NULL_POINTER, "ctx");
     CHECK_MSG("kvswap_sync");
-    CHECK_OK(kvswap_sync(ctx, NULL));
+    CHECK_OK(kvswap_sync(ctx, cur_stream()));
     same_snapshot_at(__LINE__, ctx, &before);
     probe_lru(&L, 7);
     check_stats(&L);
@@ -1238,7 +1408,7 @@ static void test_guards(void) {
 /* ---- asynchronous mode ---- */
 
 static void test_async(void) {
-    KvswapConfig cfg = cpu_config(1, 4, 4);
+    KvswapConfig cfg = test_config(1, 4, 4);
     cfg.sync = 0;
     KvswapLayerSpec specs[2] = {layer_spec(16, 32), layer_spec(16, 32)};
     KvswapContext *ctx = create_ok(&cfg, specs, 2);
@@ -1248,7 +1418,7 @@ static void test_async(void) {
 
     /* 9 was never stored: its entry becomes -1, the rest proceed, OK. */
     int32_t buf[6] = {WIN_SENTINEL(0), WIN_SENTINEL(1), 1, 9, 2, 9};
-    CHECK_OK(kvswap_swap_in_selected(ctx, 0, buf, 2, 4, NULL));
+    CHECK_OK(swap_dev(ctx, 0, buf, 6, 2, 4)); /* read back after the stream is synchronised */
     L.swap_calls++;
     int32_t as_model[4] = {1, -1, 2, -1};
     model_swap(&L.model, as_model, 4, 2);
@@ -1259,13 +1429,13 @@ static void test_async(void) {
     CHECK_EQ(buf[5], -1);
     check_staged(&L);
     /* The next synchronising call reports it once, then OK. */
-    CHECK_ERR(kvswap_sync(ctx, NULL), KVSWAP_STATUS_NOT_STORED, "chunk 9");
+    CHECK_ERR(kvswap_sync(ctx, cur_stream()), KVSWAP_STATUS_NOT_STORED, "chunk 9");
     CHECK_MSG("never stored");
-    CHECK_OK(kvswap_sync(ctx, NULL));
+    CHECK_OK(kvswap_sync(ctx, cur_stream()));
 
     /* The same through layer_stats; its out-parameter is untouched on the error. */
     int32_t buf2[3] = {4, 10, 4};
-    CHECK_OK(kvswap_swap_in_selected(ctx, 0, buf2, 0, 3, NULL));
+    CHECK_OK(swap_dev(ctx, 0, buf2, 3, 0, 3));
     L.swap_calls++;
     int32_t as_model2[3] = {4, -1, 4};
     model_swap(&L.model, as_model2, 3, 0);
@@ -1282,42 +1452,43 @@ static void test_async(void) {
     /* Two refused entries in two calls before a sync: the first is reported, once. */
     int32_t b3[1] = {11};
     int32_t b4[1] = {12};
-    CHECK_OK(kvswap_swap_in_selected(ctx, 0, b3, 0, 1, NULL));
-    CHECK_OK(kvswap_swap_in_selected(ctx, 0, b4, 0, 1, NULL));
+    CHECK_OK(swap_dev(ctx, 0, b3, 1, 0, 1));
+    CHECK_OK(swap_dev(ctx, 0, b4, 1, 0, 1));
     L.swap_calls += 2;
     int32_t none[1] = {-1};
     model_swap(&L.model, none, 1, 0);
     model_swap(&L.model, none, 1, 0);
     CHECK_EQ(b3[0], -1);
     CHECK_EQ(b4[0], -1);
-    CHECK_ERR(kvswap_sync(ctx, NULL), KVSWAP_STATUS_NOT_STORED, "chunk 11");
-    CHECK_OK(kvswap_sync(ctx, NULL));
+    CHECK_ERR(kvswap_sync(ctx, cur_stream()), KVSWAP_STATUS_NOT_STORED, "chunk 11");
+    CHECK_OK(kvswap_sync(ctx, cur_stream()));
     check_stats(&L);
 
     /* An out-of-range id in async mode is either refused at once (nothing
      * changed) or becomes -1 and is reported by the next sync. */
     int32_t b5[2] = {3, 16};
-    enum KvswapStatus s = kvswap_swap_in_selected(ctx, 0, b5, 0, 2, NULL);
+    enum KvswapStatus s = swap_dev(ctx, 0, b5, 2, 0, 2);
     if (s == KVSWAP_STATUS_OK) {
         L.swap_calls++;
         int32_t m5[2] = {3, -1};
         model_swap(&L.model, m5, 2, 0);
         CHECK_EQ(b5[0], m5[0]);
         CHECK_EQ(b5[1], -1);
-        CHECK_ERR(kvswap_sync(ctx, NULL), KVSWAP_STATUS_OUT_OF_RANGE, "16");
+        CHECK_ERR(kvswap_sync(ctx, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "16");
     } else {
         CHECK_EQ(s, KVSWAP_STATUS_OUT_OF_RANGE);
         CHECK_MSG("16");
         CHECK(b5[0] == 3 && b5[1] == 16);
     }
-    CHECK_OK(kvswap_sync(ctx, NULL));
+    CHECK_OK(kvswap_sync(ctx, cur_stream()));
     /* Host-side guards are still immediate in async mode. */
     int32_t b6[5] = {0, 1, 2, 3, 4};
-    CHECK_ERR(kvswap_swap_in_selected(ctx, 0, b6, 0, 5, NULL), KVSWAP_STATUS_OUT_OF_RANGE, "count=5");
-    CHECK_ERR(kvswap_swap_in_selected(ctx, 3, b6, 0, 1, NULL), KVSWAP_STATUS_OUT_OF_RANGE, "layer 3");
+    CHECK_ERR(swap_dev(ctx, 0, b6, 5, 0, 5), KVSWAP_STATUS_OUT_OF_RANGE, "count=5");
+    CHECK_ERR(swap_dev(ctx, 3, b6, 5, 0, 1), KVSWAP_STATUS_OUT_OF_RANGE, "layer 3");
+    for (int32_t i = 0; i < 5; i++) CHECK_EQ(b6[i], i);
     probe_lru(&L, 1);
     check_stats(&L);
-    CHECK_OK(kvswap_sync(ctx, NULL));
+    CHECK_OK(kvswap_sync(ctx, cur_stream()));
     kvswap_destroy(ctx);
     group_done("async mode (sync=0): not-stored entry -> -1, call OK, next sync / layer_stats reports it once");
 }
@@ -1327,7 +1498,7 @@ static void test_async(void) {
 static void test_disabled(void) {
     for (int variant = 0; variant < 2; variant++) {
         /* variant 0: enable=0; variant 1: enable=1 but cap <= gpu_chunks. */
-        KvswapConfig cfg = variant == 0 ? cpu_config(0, 4, 512) : cpu_config(1, 32, 32);
+        KvswapConfig cfg = variant == 0 ? test_config(0, 4, 512) : test_config(1, 32, 32);
         KvswapLayerSpec specs[2] = {layer_spec(16, 24), layer_spec(7, 40)};
         KvswapContext *ctx = create_ok(&cfg, specs, 2);
         KvswapContextInfo info;
@@ -1350,7 +1521,7 @@ static void test_disabled(void) {
             uint8_t chunk[64];
             for (uint32_t id = 0; id < cap; id++) {
                 fill_chunk(chunk, cb, l, id, 1);
-                CHECK_OK(kvswap_store(ctx, l, (int32_t)id, chunk, NULL));
+                CHECK_OK(store_dev(ctx, l, (int32_t)id, chunk, cb));
             }
             s = stats_of(ctx, l);
             CHECK_EQ(s.resident, cap);
@@ -1358,14 +1529,16 @@ static void test_disabled(void) {
              * gpu_chunks (variant 0 has gpu_chunks 4 < count 7). */
             int32_t buf[3 + 7 + 1] = {WIN_SENTINEL(0), WIN_SENTINEL(1), WIN_SENTINEL(2), (int32_t)cap - 1, 3, 3, -1, 0, 5, 1,
                                       TAIL_SENTINEL};
-            CHECK_OK(kvswap_swap_in_selected(ctx, l, buf, 3, 7, NULL));
+            CHECK_OK(swap_dev(ctx, l, buf, 11, 3, 7));
             const int32_t want[7] = {3 + (int32_t)cap - 1, 3 + 3, 3 + 3, -1, 3 + 0, 3 + 5, 3 + 1};
             for (int i = 0; i < 3; i++) CHECK(buf[i] == WIN_SENTINEL(i));
             CHECK(buf[10] == TAIL_SENTINEL);
             for (int i = 0; i < 7; i++)
                 if (buf[3 + i] != want[i]) FAIL("swap off, layer %u entry %d: %d, expected %d", l, i, buf[3 + i], want[i]);
+            uint8_t *rows_copy = staging_copy(ptr, stride, rows, cb);
             for (uint32_t id = 0; id < cap; id++)
-                if (!chunk_is((const uint8_t *)ptr + id * stride, cb, l, id, 1)) FAIL("swap off: row %u is not chunk %u", id, id);
+                if (!chunk_is(rows_copy + id * stride, cb, l, id, 1)) FAIL("swap off: row %u is not chunk %u", id, id);
+            free(rows_copy);
             s = stats_of(ctx, l);
             CHECK_EQ(s.misses, 0);
             CHECK_EQ(s.evictions, 0);
@@ -1373,18 +1546,21 @@ static void test_disabled(void) {
             CHECK_EQ(s.swap_in_calls, 1);
             /* A new version is visible in its row at once. */
             fill_chunk(chunk, cb, l, 3, 2);
-            CHECK_OK(kvswap_store(ctx, l, 3, chunk, NULL));
-            CHECK(chunk_is((const uint8_t *)ptr + 3 * stride, cb, l, 3, 2));
+            CHECK_OK(store_dev(ctx, l, 3, chunk, cb));
+            rows_copy = staging_copy(ptr, stride, rows, cb);
+            CHECK(chunk_is(rows_copy + 3 * stride, cb, l, 3, 2));
+            free(rows_copy);
             /* Guards still apply. */
             int32_t bad[2] = {(int32_t)cap, 0};
-            CHECK_ERR(kvswap_swap_in_selected(ctx, l, bad, 0, 2, NULL), KVSWAP_STATUS_OUT_OF_RANGE, "");
+            CHECK_ERR(swap_dev(ctx, l, bad, 2, 0, 2), KVSWAP_STATUS_OUT_OF_RANGE, "");
             CHECK(bad[0] == (int32_t)cap && bad[1] == 0);
         }
         /* A chunk never stored cannot be selected even when swap is off. */
         KvswapLayerSpec one = layer_spec(8, 16);
         KvswapContext *c2 = create_ok(&cfg, &one, 1);
         int32_t b[2] = {0, 0};
-        CHECK_ERR(kvswap_swap_in_selected(c2, 0, b, 0, 2, NULL), KVSWAP_STATUS_NOT_STORED, "0");
+        CHECK_ERR(swap_dev(c2, 0, b, 2, 0, 2), KVSWAP_STATUS_NOT_STORED, "0");
+        CHECK(b[0] == 0 && b[1] == 0);
         kvswap_destroy(c2);
         kvswap_destroy(ctx);
     }
@@ -1394,9 +1570,9 @@ static void test_disabled(void) {
 /* ---- validate ---- */
 
 static void test_validate(void) {
-    KvswapConfig cfg = cpu_config(1, 4, 4);
+    KvswapConfig cfg = test_config(1, 4, 4);
     cfg.validate = 1;
-    uint8_t engine[4 * 32];
+    void *engine = dm_alloc(4 * 32); /* engine-owned staging: device memory on CUDA */
     KvswapLayerSpec spec = layer_spec(16, 32);
     spec.staging = engine;
     KvswapContext *ctx = create_ok(&cfg, &spec, 1);
@@ -1405,16 +1581,1796 @@ static void test_validate(void) {
     for (uint32_t id = 0; id < 16; id++) store_one(&L, id);
     const int32_t sel[3] = {3, 4, 5};
     swap_ok(&L, 0, 3, sel, NULL);
-    /* Scribble on chunk 4's slot behind kvswap's back: the next hit is caught. */
+    /* Scribble on chunk 4's slot behind kvswap's back (through the device
+     * pointer, ordered before the next call): the next hit is caught. */
     int32_t slot = L.model.chunk_slot[4];
-    engine[slot * 32 + 7] ^= 0xFF;
+    uint8_t row[32];
+    uint8_t *slot_row = (uint8_t *)engine + slot * 32;
+    dm_sync();
+    dm_download(row, slot_row, sizeof row);
+    CHECK(chunk_is(row, 32, 0, 4, L.version[4]));
+    row[7] ^= 0xFF;
+    dm_upload(slot_row, row, sizeof row);
     int32_t buf[1] = {4};
-    CHECK_ERR(kvswap_swap_in_selected(ctx, 0, buf, 0, 1, NULL), KVSWAP_STATUS_VALIDATION_FAILED, "differs");
+    CHECK_ERR(swap_dev(ctx, 0, buf, 1, 0, 1), KVSWAP_STATUS_VALIDATION_FAILED, "differs");
     kvswap_destroy(ctx);
+    dm_free(engine);
     group_done("validate=1 passes on honest slots and catches a corrupted slot");
 }
 
+/* ---- streams and pointers ---- */
+
+/* CU_STREAM_PER_THREAD is accepted (ignored on the CPU backend). On CUDA:
+ * the legacy default stream (NULL, CU_STREAM_LEGACY) is refused, on a
+ * layer's first call too; host memory where device memory is expected
+ * (indices, src, staging) is refused; so are device buffers too small for
+ * what a call would touch. Every refusal leaves everything unchanged. */
+static void test_streams_and_pointers(void) {
+    KvswapConfig cfg = test_config(1, 4, 4);
+    KvswapLayerSpec specs[3] = {layer_spec(16, 32), layer_spec(16, 32), layer_spec(16, 32)};
+    KvswapContext *ctx = create_ok(&cfg, specs, 3);
+    Layer L;
+    layer_init(&L, ctx, 0, 16, 4, 32);
+    const int32_t R = PICK_LRU_RESIDENT, F = PICK_FREE;
+    int32_t dummy = 0;
+
+    for (uint32_t id = 0; id < 10; id++) store_one(&L, id);
+    const int32_t warm[4] = {1, 2, 3, 4};
+    swap_ok(&L, 1, 4, warm, NULL);
+
+    if (dm_is_cuda()) {
+        /* Once the layer has used a real stream: still refused. */
+        int32_t sel[2] = {R, F};
+        swap_refused_on(NULL, &L, ctx, 0, &dummy, sel, 2, 2, KVSWAP_STATUS_INVALID_ARGUMENT, "legacy default stream", 3);
+        swap_refused_on(DM_STREAM_LEGACY, &L, ctx, 0, &dummy, sel, 2, 2, KVSWAP_STATUS_INVALID_ARGUMENT,
+                        "legacy default stream", 3);
+        /* A refused store of a resident chunk does not refresh its slot. */
+        int32_t rid = L.model.slot_chunk[0];
+        uint8_t v2[32];
+        fill_chunk(v2, 32, 0, (uint32_t)rid, L.version[rid] + 1);
+        Snapshot before = snapshot_at(__LINE__, ctx, 3);
+        CHECK_ERR(store_on(NULL, ctx, 0, rid, v2, sizeof v2), KVSWAP_STATUS_INVALID_ARGUMENT, "legacy default stream");
+        CHECK_ERR(store_on(DM_STREAM_LEGACY, ctx, 0, rid, v2, sizeof v2), KVSWAP_STATUS_INVALID_ARGUMENT,
+                  "legacy default stream");
+        same_snapshot_at(__LINE__, ctx, &before);
+        check_staged(&L);
+
+        /* Host memory (malloc) where device memory is expected. */
+        int32_t *host_idx = (int32_t *)malloc(4 * sizeof(int32_t));
+        CHECK(host_idx != NULL);
+        host_idx[0] = WIN_SENTINEL(0);
+        host_idx[1] = resolve_pick(&L, R);
+        host_idx[2] = resolve_pick(&L, F);
+        host_idx[3] = TAIL_SENTINEL;
+        int32_t copy[4];
+        memcpy(copy, host_idx, sizeof copy);
+        CHECK_ERR(kvswap_swap_in_selected(ctx, 0, host_idx, 1, 2, cur_stream()), KVSWAP_STATUS_INVALID_ARGUMENT,
+                  "not CUDA memory");
+        CHECK_MSG("indices");
+        CHECK(memcmp(host_idx, copy, sizeof copy) == 0);
+        free(host_idx);
+        uint8_t *host_src = (uint8_t *)malloc(64);
+        CHECK(host_src != NULL);
+        fill_chunk(host_src, 32, 0, (uint32_t)rid, L.version[rid] + 1);
+        fill_chunk(host_src + 32, 32, 0, 11, 1);
+        CHECK_ERR(kvswap_store(ctx, 0, rid, host_src, cur_stream()), KVSWAP_STATUS_INVALID_ARGUMENT, "not CUDA memory");
+        CHECK_MSG("src");
+        int32_t two[2] = {rid, 11};
+        CHECK_ERR(kvswap_store_batch(ctx, 0, two, 2, host_src, 32, cur_stream()), KVSWAP_STATUS_INVALID_ARGUMENT,
+                  "not CUDA memory");
+        CHECK_MSG("src");
+        free(host_src);
+        same_snapshot_at(__LINE__, ctx, &before);
+        check_staged(&L);
+        probe_lru(&L, 3);
+        void *host_staging = malloc(4 * 32);
+        CHECK(host_staging != NULL);
+        KvswapLayerSpec hs = layer_spec(16, 32);
+        hs.staging = host_staging;
+        create_refused(&cfg, &hs, 1, KVSWAP_STATUS_INVALID_ARGUMENT, "not CUDA memory");
+        CHECK_MSG("staging");
+        free(host_staging);
+        group_done("CUDA: legacy stream (NULL, CU_STREAM_LEGACY) refused for swap_in and store; host pointers as "
+                   "indices, src and staging refused (\"not CUDA memory\"); nothing changed");
+    }
+
+    /* CU_STREAM_PER_THREAD: stores (one refreshing a resident chunk) and
+     * swap-ins on it, checked like any other. */
+    use_stream(DM_STREAM_PER_THREAD);
+    store_one(&L, 10);
+    store_one(&L, 11);
+    CHECK(L.model.slot_chunk[2] >= 0);
+    store_one(&L, (uint32_t)L.model.slot_chunk[2]);
+    check_staged(&L);
+    const int32_t pt_sel[4] = {10, 11, -1, 2};
+    swap_ok(&L, 3, 4, pt_sel, NULL);
+    for (int i = 0; i < 20; i++) random_swap(&L);
+    CHECK_OK(kvswap_sync(ctx, DM_STREAM_PER_THREAD));
+    use_stream(dm_stream());
+    random_swap(&L);
+    check_stats(&L);
+    kvswap_destroy(ctx);
+    group_done("CU_STREAM_PER_THREAD accepted for store, swap_in_selected and sync");
+
+    if (dm_is_cuda()) {
+        /* Device buffers smaller than what a call would touch: refused
+         * before any device work (fresh context: nothing checked earlier). */
+        void *small = dm_alloc(64);
+        int32_t pad[16];
+        for (int i = 0; i < 16; i++) pad[i] = -1;
+        dm_upload(small, pad, sizeof pad);
+        KvswapLayerSpec big = layer_spec(16, 32);
+        big.staging = small;
+        big.staging_stride = (uint64_t)1 << 24; /* 4 rows: 48 MiB */
+        create_refused(&cfg, &big, 1, KVSWAP_STATUS_OUT_OF_RANGE, "runs past the end");
+        CHECK_MSG("staging");
+        KvswapContext *c2 = create_ok(&cfg, specs, 1);
+        Snapshot before = snapshot_at(__LINE__, c2, 1);
+        int32_t ids[2] = {0, 1};
+        CHECK_ERR(kvswap_store_batch(c2, 0, ids, 2, small, (size_t)1 << 26, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE,
+                  "runs past the end");
+        CHECK_MSG("src");
+        CHECK_ERR(kvswap_swap_in_selected(c2, 0, (int32_t *)small, 1u << 22, 2, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE,
+                  "runs past the end");
+        CHECK_MSG("indices");
+        same_snapshot_at(__LINE__, c2, &before);
+        int32_t back[16];
+        dm_sync();
+        dm_download(back, small, sizeof back);
+        CHECK(memcmp(back, pad, sizeof pad) == 0);
+        kvswap_destroy(c2);
+        dm_free(small);
+        group_done("CUDA: staging, src and indices past the end of their allocation refused");
+    }
+}
+
+/* ---- validate=1 and refused swap-ins ---- */
+
+/* A swap-in refused with sync=1 leaves the logical ids in the index buffer:
+ * nothing may read them as physical ids (the first entry, 5, is below
+ * window_len 8: read as a physical id it names slot -3). The refusal
+ * changes nothing and the context stays usable. */
+static void test_validate_refused(void) {
+    KvswapConfig cfg = test_config(1, 4, 4);
+    cfg.validate = 1;
+    KvswapLayerSpec spec = layer_spec(32, 32);
+    KvswapContext *ctx = create_ok(&cfg, &spec, 1);
+    Layer L;
+    layer_init(&L, ctx, 0, 32, 4, 32);
+    for (uint32_t id = 0; id < 16; id++) store_one(&L, id); /* 16..31 never stored */
+    const int32_t sel[3] = {3, 4, 5};
+    swap_ok(&L, 8, 3, sel, NULL);
+    int32_t dummy = 0;
+    const int32_t ns[3] = {5, 1, 20};
+    swap_refused(&L, ctx, 0, &dummy, ns, 8, 3, KVSWAP_STATUS_NOT_STORED, "chunk 20", 1);
+    const int32_t oor[2] = {2, 99};
+    swap_refused(&L, ctx, 0, &dummy, oor, 8, 2, KVSWAP_STATUS_OUT_OF_RANGE, "99", 1);
+    for (int i = 0; i < 20; i++) random_swap(&L);
+    check_stats(&L);
+    CHECK_OK(kvswap_sync(ctx, cur_stream()));
+    kvswap_destroy(ctx);
+    group_done("validate=1: refused swap-ins (NOT_STORED, OUT_OF_RANGE) change nothing; the context stays usable");
+}
+
+/* ---- the legacy stream on a fresh layer (CUDA) ---- */
+
+static void test_legacy_stream_fresh_layer(void) {
+    if (!dm_is_cuda()) return;
+    KvswapConfig cfg = test_config(1, 4, 4);
+    KvswapLayerSpec specs[3] = {layer_spec(16, 32), layer_spec(16, 32), layer_spec(16, 32)};
+    KvswapContext *ctx = create_ok(&cfg, specs, 3);
+    Snapshot before;
+    /* The legacy stream on the very first call of a layer (no stream
+     * seen yet, on any of the three layers): refused too. */
+    uint8_t chunk[32], rows[64];
+    int32_t ids2[2] = {0, 1};
+    fill_chunk(chunk, 32, 0, 0, 1);
+    fill_chunk(rows, 32, 1, 0, 1);
+    fill_chunk(rows + 32, 32, 1, 1, 1);
+    before = snapshot_at(__LINE__, ctx, 3);
+    CHECK_ERR(store_on(NULL, ctx, 0, 0, chunk, sizeof chunk), KVSWAP_STATUS_INVALID_ARGUMENT, "legacy default stream");
+    CHECK_MSG("kvswap_store");
+    CHECK_ERR(store_batch_on(NULL, ctx, 1, ids2, 2, rows, sizeof rows, 0), KVSWAP_STATUS_INVALID_ARGUMENT,
+              "legacy default stream");
+    CHECK_MSG("kvswap_store_batch");
+    int32_t padding[4] = {WIN_SENTINEL(0), -1, -1, TAIL_SENTINEL};
+    CHECK_ERR(swap_on(NULL, ctx, 2, padding, 4, 1, 2), KVSWAP_STATUS_INVALID_ARGUMENT, "legacy default stream");
+    CHECK_MSG("kvswap_swap_in_selected");
+    CHECK(padding[0] == WIN_SENTINEL(0) && padding[1] == -1 && padding[2] == -1 && padding[3] == TAIL_SENTINEL);
+    same_snapshot_at(__LINE__, ctx, &before);
+    kvswap_destroy(ctx);
+    group_done("CUDA: the legacy stream refused on the first call of a fresh layer (store, store_batch, swap_in)");
+}
+
+/* ------------------------------------------------------------------------ */
+/* FlashMemory scorer (fm_*)                                                 */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * The checkpoint comes from the environment: KVSWAP_TEST_FM_CKPT names a file
+ * made by
+ *     kvswap fm init --hidden 64 --heads 16 --head-dim 64 --scorers 2 \
+ *                    --dtype bf16 --seed 7 --out FILE
+ * (tests/ffi_c.rs makes one and always sets the variable). This program
+ * generates no checkpoint itself; without the variable the scorer group is
+ * skipped with a loud note and the final line says so
+ * (KVSWAP_TEST_REQUIRE_FM_CKPT=1 turns the skip into a failure).
+ *
+ * The reference: the test reads the weights straight from the safetensors
+ * file (not through the ABI) and computes every score in double precision in
+ * the library's order of operations, so on the CPU backend the top-k must
+ * equal the reference exactly, tie order included. On CUDA (bf16 q, f32
+ * accumulation) a chunk must be in the top-k when it is certainly among the k
+ * best once each score is widened by an error bound, and must be absent when
+ * it is certainly not (see fm_check_topk). Relations that need no weights are
+ * checked as well: ties, -1 padding, f32 keys holding bf16 values, fp8 keys
+ * with power-of-two scales, key strides, permuted key rows, a scaled hidden
+ * state, the ensemble with one scorer's input zero, batches against single
+ * calls.
+ *
+ * On CUDA the scorer is on device 0 and hidden, keys, scales, out_indices,
+ * query and bounds are device memory (exact copies made for each call);
+ * fm_bounds_build is host memory on both backends, and fm_bounds_topk(-1, ..)
+ * is also run with host memory there.
+ */
+
+#define FM_WANT_SCORERS 2u
+#define FM_WANT_HIDDEN 64u
+#define FM_WANT_HEADS 16u
+#define FM_WANT_HEAD_DIM 64u
+#define FM_INIT_CMD \
+    "kvswap fm init --hidden 64 --heads 16 --head-dim 64 --scorers 2 --dtype bf16 --seed 7 --out FILE"
+#define FM_SENTINEL ((int32_t)-7)
+
+static uint32_t fm_rng = 0x2545F491u;
+
+static uint32_t fm_rand_u32(void) {
+    fm_rng ^= fm_rng << 13;
+    fm_rng ^= fm_rng >> 17;
+    fm_rng ^= fm_rng << 5;
+    return fm_rng;
+}
+
+/* Uniform in [-1, 1), multiples of 2^-23 (exact f32 values). */
+static float fm_frand(void) { return (float)((int32_t)(fm_rand_u32() >> 8) - (1 << 23)) / (float)(1 << 23); }
+
+static float f32_of_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static uint32_t bits_of_f32(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* float -> bf16, round to nearest even on the upper 16 bits (finite inputs). */
+static uint16_t f32_to_bf16(float f) {
+    uint32_t u = bits_of_f32(f);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static float bf16_to_f32(uint16_t b) { return f32_of_bits((uint32_t)b << 16); }
+
+static double dabs(double x) { return x < 0 ? -x : x; }
+
+static double pow2i(int e) {
+    double v = 1.0;
+    for (; e > 0; e--) v *= 2.0;
+    for (; e < 0; e++) v *= 0.5;
+    return v;
+}
+
+/* OCP fp8 e4m3 (bias 7, no infinities, S.1111.111 = NaN), exactly. */
+static bool fp8_is_nan(uint8_t b) { return (b & 0x7Fu) == 0x7Fu; }
+static double fp8_to_double(uint8_t b) {
+    double sign = (b & 0x80u) ? -1.0 : 1.0;
+    int exp = (b >> 3) & 0x0F, man = b & 0x07;
+    double mag = exp == 0 ? (man / 8.0) * pow2i(-6) : (1.0 + man / 8.0) * pow2i(exp - 7);
+    return sign * mag;
+}
+
+/* IEEE half -> double (finite values of a checkpoint). */
+static double f16_to_double(uint16_t h, bool *finite) {
+    uint32_t s = h >> 15, e = (h >> 10) & 31u, m = h & 1023u;
+    *finite = e != 31u;
+    double v = e == 0 ? m / 16777216.0 : (double)f32_of_bits((e - 15u + 127u) << 23 | m << 13);
+    return s ? -v : v;
+}
+
+/* ---- the weights, read from the safetensors file itself ---- */
+
+typedef struct FmRef {
+    uint32_t ns, hid, nh, hd;
+    double *wq; /* [ns][nh*hd][hid] */
+    double *ww; /* [ns][nh][hid] */
+} FmRef;
+
+static FmRef g_fmref;
+
+static uint8_t *read_whole_file(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) FAIL("cannot open %s", path);
+    uint8_t *buf = NULL;
+    size_t n = 0, cap = 0;
+    for (;;) {
+        if (n == cap) {
+            cap = cap ? 2 * cap : 1 << 16;
+            uint8_t *nb = (uint8_t *)realloc(buf, cap);
+            if (!nb) FAIL("out of host memory");
+            buf = nb;
+        }
+        size_t got = fread(buf + n, 1, cap - n, f);
+        n += got;
+        if (got == 0) break;
+    }
+    fclose(f);
+    *len = n;
+    return buf;
+}
+
+/* In the JSON header `hdr`: the object of tensor `name`, its dtype, shape
+ * [r, c] and data offsets. The header is written by the safetensors crate;
+ * a plain text search is enough for it. */
+static void st_tensor(const char *path, const char *hdr, const char *name, char *dtype, size_t dtype_cap,
+                      uint64_t shape[2], uint64_t off[2]) {
+    char key[64];
+    snprintf(key, sizeof key, "\"%s\"", name);
+    const char *p = strstr(hdr, key);
+    if (!p) FAIL("%s: the safetensors header has no tensor %s (made by `" FM_INIT_CMD "`?)", path, name);
+    const char *open = strchr(p, '{'), *close = open ? strchr(open, '}') : NULL;
+    if (!open || !close) FAIL("%s: tensor %s: malformed header", path, name);
+    const char *d = strstr(open, "\"dtype\"");
+    const char *s = strstr(open, "\"shape\"");
+    const char *o = strstr(open, "\"data_offsets\"");
+    if (!d || !s || !o || d > close || s > close || o > close) FAIL("%s: tensor %s: dtype/shape/data_offsets missing", path, name);
+    d = strchr(d + 7, '"');
+    const char *dend = d ? strchr(d + 1, '"') : NULL;
+    if (!d || !dend || (size_t)(dend - d - 1) >= dtype_cap) FAIL("%s: tensor %s: bad dtype", path, name);
+    memcpy(dtype, d + 1, (size_t)(dend - d - 1));
+    dtype[dend - d - 1] = 0;
+    const char *lists[2] = {s, o};
+    uint64_t *vals[2] = {shape, off};
+    for (int l = 0; l < 2; l++) {
+        const char *b = strchr(lists[l], '[');
+        if (!b || b > close) FAIL("%s: tensor %s: bad list", path, name);
+        char *end = NULL;
+        vals[l][0] = strtoull(b + 1, &end, 10);
+        if (!end || *end != ',') FAIL("%s: tensor %s: expected two numbers in a list", path, name);
+        vals[l][1] = strtoull(end + 1, &end, 10);
+        if (!end || *end != ']') FAIL("%s: tensor %s: expected two numbers in a list", path, name);
+    }
+}
+
+/* Decodes tensor `name` ([rows, cols]) to doubles at `dst`. */
+static void st_read(const char *path, const uint8_t *file, size_t len, const char *hdr, size_t data_start,
+                    const char *name, uint64_t rows, uint64_t cols, double *dst) {
+    char dtype[16];
+    uint64_t shape[2], off[2];
+    st_tensor(path, hdr, name, dtype, sizeof dtype, shape, off);
+    if (shape[0] != rows || shape[1] != cols)
+        FAIL("%s: tensor %s has shape [%llu, %llu], expected [%llu, %llu]", path, name, (unsigned long long)shape[0],
+             (unsigned long long)shape[1], (unsigned long long)rows, (unsigned long long)cols);
+    size_t es = strcmp(dtype, "F32") == 0 ? 4 : (strcmp(dtype, "BF16") == 0 || strcmp(dtype, "F16") == 0) ? 2 : 0;
+    if (es == 0) FAIL("%s: tensor %s has dtype %s (expected F32, F16 or BF16)", path, name, dtype);
+    uint64_t n = rows * cols;
+    if (off[1] < off[0] || off[1] - off[0] != n * es || data_start + off[1] > len)
+        FAIL("%s: tensor %s: data_offsets [%llu, %llu] do not fit", path, name, (unsigned long long)off[0],
+             (unsigned long long)off[1]);
+    const uint8_t *p = file + data_start + off[0];
+    for (uint64_t i = 0; i < n; i++) {
+        bool finite = true;
+        if (es == 4) {
+            uint32_t u = (uint32_t)p[4 * i] | (uint32_t)p[4 * i + 1] << 8 | (uint32_t)p[4 * i + 2] << 16 |
+                         (uint32_t)p[4 * i + 3] << 24;
+            dst[i] = (double)f32_of_bits(u);
+        } else {
+            uint16_t h = (uint16_t)(p[2 * i] | p[2 * i + 1] << 8);
+            if (strcmp(dtype, "BF16") == 0) dst[i] = (double)bf16_to_f32(h);
+            else dst[i] = f16_to_double(h, &finite);
+        }
+        if (!finite || dst[i] != dst[i]) FAIL("%s: tensor %s: element %llu is not finite", path, name, (unsigned long long)i);
+    }
+}
+
+static void fmref_load(const char *path, const FmScorerInfo *info) {
+    size_t len = 0;
+    uint8_t *file = read_whole_file(path, &len);
+    if (len < 8) FAIL("%s: %zu bytes: not a safetensors file", path, len);
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = hlen << 8 | file[i];
+    if (hlen > len - 8) FAIL("%s: header length %llu runs past the file", path, (unsigned long long)hlen);
+    char *hdr = (char *)malloc((size_t)hlen + 1);
+    if (!hdr) FAIL("out of host memory");
+    memcpy(hdr, file + 8, (size_t)hlen);
+    hdr[hlen] = 0;
+    FmRef *r = &g_fmref;
+    r->ns = info->n_scorers;
+    r->hid = info->hidden;
+    r->nh = info->n_heads;
+    r->hd = info->head_dim;
+    size_t qn = (size_t)r->nh * r->hd * r->hid, wn = (size_t)r->nh * r->hid;
+    r->wq = (double *)malloc(r->ns * qn * sizeof(double));
+    r->ww = (double *)malloc(r->ns * wn * sizeof(double));
+    if (!r->wq || !r->ww) FAIL("out of host memory");
+    for (uint32_t i = 0; i < r->ns; i++) {
+        char name[64];
+        snprintf(name, sizeof name, "scorers.%u.wq", i);
+        st_read(path, file, len, hdr, 8 + (size_t)hlen, name, (uint64_t)r->nh * r->hd, r->hid, r->wq + i * qn);
+        snprintf(name, sizeof name, "scorers.%u.ww", i);
+        st_read(path, file, len, hdr, 8 + (size_t)hlen, name, r->nh, r->hid, r->ww + i * wn);
+    }
+    free(hdr);
+    free(file);
+}
+
+static void fmref_free(void) {
+    free(g_fmref.wq);
+    free(g_fmref.ww);
+    memset(&g_fmref, 0, sizeof g_fmref);
+}
+
+/* ---- keys on the host ---- */
+
+typedef struct HKeys {
+    FmKeyDtype dtype;
+    uint32_t dim;
+    size_t n;          /* rows */
+    size_t stride;     /* bytes between rows */
+    size_t stride_arg; /* FmKeys.row_stride_bytes: 0 (dense) or `stride` */
+    uint8_t *data;     /* (n - 1) * stride + dim * esize bytes */
+    float *scales;     /* fp8 only: n */
+} HKeys;
+
+static size_t key_esize(FmKeyDtype dt) { return dt == FM_KEYS_F32 ? 4 : dt == FM_KEYS_BF16 ? 2 : 1; }
+
+static size_t hkeys_bytes(const HKeys *k) { return k->n ? (k->n - 1) * k->stride + k->dim * key_esize(k->dtype) : 0; }
+
+/* Rows of `dim` elements; `stride_arg` 0 is dense; padding bytes are 0xFF
+ * (NaN as f32 or bf16), so reading them would be an error. */
+static HKeys hkeys_new(FmKeyDtype dt, size_t n, uint32_t dim, size_t stride_arg) {
+    HKeys k;
+    memset(&k, 0, sizeof k);
+    k.dtype = dt;
+    k.dim = dim;
+    k.n = n;
+    k.stride_arg = stride_arg;
+    k.stride = stride_arg ? stride_arg : dim * key_esize(dt);
+    size_t bytes = hkeys_bytes(&k);
+    k.data = (uint8_t *)malloc(bytes ? bytes : 1);
+    if (!k.data) FAIL("out of host memory");
+    memset(k.data, 0xFF, bytes);
+    if (dt == FM_KEYS_FP8_E4M3) {
+        k.scales = (float *)malloc((n ? n : 1) * sizeof(float));
+        if (!k.scales) FAIL("out of host memory");
+        for (size_t r = 0; r < n; r++) k.scales[r] = 1.0f;
+    }
+    return k;
+}
+
+static void hkeys_free(HKeys *k) {
+    free(k->data);
+    free(k->scales);
+    memset(k, 0, sizeof *k);
+}
+
+static uint8_t *hkeys_at(const HKeys *k, size_t r, uint32_t d) { return k->data + r * k->stride + d * key_esize(k->dtype); }
+
+/* Stores `v` (f32 keys: as is; bf16: rounded to bf16). */
+static void hkeys_set(HKeys *k, size_t r, uint32_t d, float v) {
+    if (k->dtype == FM_KEYS_F32) {
+        memcpy(hkeys_at(k, r, d), &v, 4);
+    } else if (k->dtype == FM_KEYS_BF16) {
+        uint16_t b = f32_to_bf16(v);
+        memcpy(hkeys_at(k, r, d), &b, 2);
+    } else {
+        FAIL("test bug: hkeys_set on fp8 keys");
+    }
+}
+
+/* The key value the library must use: exact, fp8 times its row scale. */
+static double hkeys_value(const HKeys *k, size_t r, uint32_t d) {
+    const uint8_t *p = hkeys_at(k, r, d);
+    if (k->dtype == FM_KEYS_F32) {
+        float f;
+        memcpy(&f, p, 4);
+        return f;
+    }
+    if (k->dtype == FM_KEYS_BF16) {
+        uint16_t b;
+        memcpy(&b, p, 2);
+        return bf16_to_f32(b);
+    }
+    return fp8_to_double(*p) * (double)k->scales[r];
+}
+
+/* Random keys: f32 in [-1, 1), bf16 of those, or random finite fp8 with the
+ * row scale 2^(r % 4 - 2) (`pow2_scales`) or an arbitrary one in [0.01, 0.5). */
+static HKeys hkeys_random(FmKeyDtype dt, size_t n, uint32_t dim, size_t stride_arg, bool pow2_scales) {
+    HKeys k = hkeys_new(dt, n, dim, stride_arg);
+    for (size_t r = 0; r < n; r++) {
+        if (dt == FM_KEYS_FP8_E4M3) {
+            for (uint32_t d = 0; d < dim; d++) {
+                uint8_t b = (uint8_t)(fm_rand_u32() >> 24);
+                if (fp8_is_nan(b)) b ^= 1u;
+                *hkeys_at(&k, r, d) = b;
+            }
+            k.scales[r] = pow2_scales ? (float)pow2i((int)(r % 4) - 2) : 0.01f + 0.49f * (fm_frand() + 1.0f) / 2.0f;
+        } else {
+            for (uint32_t d = 0; d < dim; d++) hkeys_set(&k, r, d, fm_frand());
+        }
+    }
+    return k;
+}
+
+/* The same values in another dtype (f32 from anything; bf16 from bf16),
+ * dense unless `stride_arg`. */
+static HKeys hkeys_convert(const HKeys *src, FmKeyDtype dt, size_t stride_arg) {
+    HKeys k = hkeys_new(dt, src->n, src->dim, stride_arg);
+    for (size_t r = 0; r < src->n; r++)
+        for (uint32_t d = 0; d < src->dim; d++) {
+            double v = hkeys_value(src, r, d);
+            if ((double)(float)v != v) FAIL("test bug: key value not exact in f32");
+            hkeys_set(&k, r, d, (float)v);
+            if (hkeys_value(&k, r, d) != v) FAIL("test bug: key value not exact in the new dtype");
+        }
+    return k;
+}
+
+/* Row r of the result is row perm[r] of `src`. */
+static HKeys hkeys_permute(const HKeys *src, const uint32_t *perm) {
+    HKeys k = hkeys_new(src->dtype, src->n, src->dim, src->stride_arg);
+    size_t row = src->dim * key_esize(src->dtype);
+    for (size_t r = 0; r < src->n; r++) {
+        memcpy(hkeys_at(&k, r, 0), hkeys_at(src, perm[r], 0), row);
+        if (src->scales) k.scales[r] = src->scales[perm[r]];
+    }
+    return k;
+}
+
+static FmKeys fmkeys_of(const void *data, const float *scales, const HKeys *k) {
+    FmKeys f;
+    memset(&f, 0, sizeof f);
+    f.data = data;
+    f.scales = scales;
+    f.row_stride_bytes = k->stride_arg;
+    f.dtype = k->dtype;
+    return f;
+}
+
+/* ---- the reference ---- */
+
+/* Scores of every chunk of `keys` in double precision, in the order of
+ * operations of the library's CPU reference (src/scorer/reference.rs), and a
+ * bound on the error of the CUDA scorer for each: q rounded to bf16 (2^-9
+ * relative), f32 keys rounded to bf16, f32 accumulation; twice the sum of the
+ * first-order terms, summed over the scorers. `err` may be NULL. */
+static void fm_reference(const float *hidden, const HKeys *keys, uint32_t ensemble, double *score, double *err) {
+    const FmRef *R = &g_fmref;
+    const uint32_t nh = R->nh, hd = R->hd, hid = R->hid, ns = R->ns;
+    double *q = (double *)malloc((size_t)nh * hd * sizeof(double));
+    double *aq = (double *)malloc((size_t)nh * hd * sizeof(double));
+    double *w = (double *)malloc(nh * sizeof(double));
+    double *aw = (double *)malloc(nh * sizeof(double));
+    double *key = (double *)malloc(hd * sizeof(double));
+    double *si = (double *)malloc(ns * keys->n * sizeof(double));
+    double *ei = (double *)malloc(ns * keys->n * sizeof(double));
+    if (!q || !aq || !w || !aw || !key || !si || !ei) FAIL("out of host memory");
+    const double kround = keys->dtype == FM_KEYS_F32 ? pow2i(-9) : 0.0;
+    for (uint32_t i = 0; i < ns; i++) {
+        const float *x = hidden + (size_t)i * hid;
+        const double *wq = R->wq + (size_t)i * nh * hd * hid, *ww = R->ww + (size_t)i * nh * hid;
+        for (size_t r = 0; r < (size_t)nh * hd; r++) {
+            double s = 0, a = 0;
+            for (uint32_t j = 0; j < hid; j++) {
+                s += wq[r * hid + j] * (double)x[j];
+                a += dabs(wq[r * hid + j] * (double)x[j]);
+            }
+            q[r] = s;
+            aq[r] = a;
+        }
+        for (uint32_t h = 0; h < nh; h++) {
+            double s = 0, a = 0;
+            for (uint32_t j = 0; j < hid; j++) {
+                s += ww[(size_t)h * hid + j] * (double)x[j];
+                a += dabs(ww[(size_t)h * hid + j] * (double)x[j]);
+            }
+            w[h] = s;
+            aw[h] = a;
+        }
+        for (size_t c = 0; c < keys->n; c++) {
+            for (uint32_t d = 0; d < hd; d++) key[d] = hkeys_value(keys, c, d);
+            double s = 0, e = 0;
+            for (uint32_t h = 0; h < nh; h++) {
+                double dot = 0, p = 0, qa = 0;
+                for (uint32_t d = 0; d < hd; d++) {
+                    dot += q[(size_t)h * hd + d] * key[d];
+                    p += dabs(q[(size_t)h * hd + d] * key[d]);
+                    qa += aq[(size_t)h * hd + d] * dabs(key[d]);
+                }
+                s += w[h] * (dot > 0 ? dot : 0.0);
+                e += pow2i(-17) * aw[h] * dabs(dot) +
+                     dabs(w[h]) * ((pow2i(-9) + kround + pow2i(-18)) * p + pow2i(-17) * qa) +
+                     pow2i(-20) * dabs(w[h] * dot);
+            }
+            si[i * keys->n + c] = s;
+            ei[i * keys->n + c] = 2 * e;
+        }
+    }
+    for (size_t c = 0; c < keys->n; c++) {
+        double s, e = 0;
+        if (ensemble == KVSWAP_ENSEMBLE_MEAN) {
+            s = 0;
+            for (uint32_t i = 0; i < ns; i++) s += si[i * keys->n + c];
+            s /= (double)ns;
+        } else {
+            s = si[c];
+            for (uint32_t i = 1; i < ns; i++)
+                if (si[i * keys->n + c] > s) s = si[i * keys->n + c];
+        }
+        for (uint32_t i = 0; i < ns; i++) e += ei[i * keys->n + c];
+        score[c] = s;
+        if (err) err[c] = e + 1e-300;
+    }
+    free(q);
+    free(aq);
+    free(w);
+    free(aw);
+    free(key);
+    free(si);
+    free(ei);
+}
+
+/* Bound scores (double, in index order: src/scorer/bounds.rs) and the error
+ * bound of an f32 evaluation (products and a sum of `dim` terms, x4). */
+static void bounds_reference(const float *query, const float *lo, const float *hi, uint32_t dim, size_t n, double *score,
+                             double *err) {
+    for (size_t c = 0; c < n; c++) {
+        double s = 0, a = 0;
+        for (uint32_t d = 0; d < dim; d++) {
+            double x = (double)query[d] * (double)lo[c * dim + d], y = (double)query[d] * (double)hi[c * dim + d];
+            s += x > y ? x : y;
+            a += dabs(x) > dabs(y) ? dabs(x) : dabs(y);
+        }
+        score[c] = s;
+        if (err) err[c] = 4.0 * (dim + 2) * pow2i(-24) * a + 1e-300;
+    }
+}
+
+/* The reference top-k: score descending, ties to the lower id, -1 padded. */
+static const double *g_sort_scores;
+static int by_score_then_id(const void *a, const void *b) {
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    double sx = g_sort_scores[x], sy = g_sort_scores[y];
+    if (sx > sy) return -1;
+    if (sx < sy) return 1;
+    return x < y ? -1 : x > y;
+}
+
+static void ref_topk(const double *score, size_t n, uint32_t k, int32_t *out) {
+    uint32_t *ids = (uint32_t *)malloc((n ? n : 1) * sizeof(uint32_t));
+    if (!ids) FAIL("out of host memory");
+    for (size_t i = 0; i < n; i++) ids[i] = (uint32_t)i;
+    g_sort_scores = score;
+    qsort(ids, n, sizeof(uint32_t), by_score_then_id);
+    for (uint32_t i = 0; i < k; i++) out[i] = i < n ? (int32_t)ids[i] : -1;
+    free(ids);
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Values in sorted `v` (n) that are >= x / > x. */
+static size_t count_ge(const double *v, size_t n, double x) {
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (v[mid] < x) lo = mid + 1;
+        else hi = mid;
+    }
+    return n - lo;
+}
+static size_t count_gt(const double *v, size_t n, double x) {
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (v[mid] <= x) lo = mid + 1;
+        else hi = mid;
+    }
+    return n - lo;
+}
+
+static void print_ids(const char *label, const int32_t *v, uint32_t k) {
+    fprintf(stderr, "  %s:", label);
+    for (uint32_t i = 0; i < k && i < 64; i++) fprintf(stderr, " %d", v[i]);
+    if (k > 64) fprintf(stderr, " ... (%u)", k);
+    fprintf(stderr, "\n");
+}
+
+/* `got` (k entries) is a well-formed top-k of n chunks: min(k, n) distinct
+ * ids in [0, n), then -1. */
+static void check_topk_shape_at(int line, const char *what, const int32_t *got, size_t n, uint32_t k) {
+    uint32_t m = (size_t)k < n ? k : (uint32_t)n;
+    uint8_t *seen = (uint8_t *)calloc(n ? n : 1, 1);
+    if (!seen) FAIL("out of host memory");
+    for (uint32_t i = 0; i < k; i++) {
+        if (i >= m) {
+            if (got[i] != -1) FAIL_AT(line, "%s: entry %u is %d, expected -1 padding (%zu chunks, k = %u)", what, i, got[i], n, k);
+            continue;
+        }
+        if (got[i] < 0 || (size_t)got[i] >= n) FAIL_AT(line, "%s: entry %u is %d: not a chunk id of %zu", what, i, got[i], n);
+        if (seen[got[i]]) FAIL_AT(line, "%s: chunk %d appears twice", what, got[i]);
+        seen[got[i]] = 1;
+    }
+    free(seen);
+}
+
+/* Checks `got` against reference scores. On the CPU backend (`exact`) it
+ * must be the reference top-k itself. Otherwise, with each score known only
+ * within +-err: a chunk that is certainly among the k best must be there,
+ * one that certainly is not must be absent, and the order may not put a
+ * certainly lower score first. Returns the number of chunks whose place the
+ * error bound leaves open. */
+static size_t check_topk_at(int line, const char *what, const int32_t *got, const double *score, const double *err,
+                            size_t n, uint32_t k, bool exact) {
+    check_topk_shape_at(line, what, got, n, k);
+    int32_t *want = (int32_t *)malloc(k * sizeof(int32_t));
+    if (!want) FAIL("out of host memory");
+    ref_topk(score, n, k, want);
+    if (exact) {
+        for (uint32_t i = 0; i < k; i++) {
+            if (got[i] != want[i]) {
+                print_ids("got     ", got, k);
+                print_ids("expected", want, k);
+                FAIL_AT(line, "%s: entry %u is chunk %d (score %.17g), the reference says chunk %d (score %.17g)", what, i,
+                        got[i], got[i] >= 0 && (size_t)got[i] < n ? score[got[i]] : 0.0, want[i],
+                        want[i] >= 0 ? score[want[i]] : 0.0);
+            }
+        }
+        free(want);
+        return 0;
+    }
+    double *lo = (double *)malloc(n * sizeof(double)), *hi = (double *)malloc(n * sizeof(double));
+    uint8_t *in = (uint8_t *)calloc(n, 1);
+    if (!lo || !hi || !in) FAIL("out of host memory");
+    for (size_t c = 0; c < n; c++) {
+        lo[c] = score[c] - err[c];
+        hi[c] = score[c] + err[c];
+    }
+    for (uint32_t i = 0; i < k && got[i] >= 0; i++) in[got[i]] = 1;
+    qsort(lo, n, sizeof(double), cmp_double);
+    qsort(hi, n, sizeof(double), cmp_double);
+    size_t open = 0;
+    for (size_t c = 0; c < n; c++) {
+        double l = score[c] - err[c], h = score[c] + err[c];
+        size_t maybe_above = count_ge(hi, n, l) - 1; /* others that might score >= this one */
+        size_t surely_above = count_gt(lo, n, h);    /* others that certainly score higher */
+        bool sure_in = maybe_above < k, sure_out = surely_above >= k;
+        if (sure_in && !in[c]) {
+            print_ids("got     ", got, k);
+            print_ids("expected", want, k);
+            FAIL_AT(line, "%s: chunk %zu (score %.9g +- %.3g) is certainly in the top-%u but missing", what, c, score[c], err[c], k);
+        }
+        if (sure_out && in[c]) {
+            print_ids("got     ", got, k);
+            print_ids("expected", want, k);
+            FAIL_AT(line, "%s: chunk %zu (score %.9g +- %.3g) is certainly not in the top-%u but present", what, c, score[c], err[c], k);
+        }
+        open += !sure_in && !sure_out;
+    }
+    for (uint32_t i = 1; i < k && got[i] >= 0; i++) {
+        int32_t a = got[i - 1], b = got[i];
+        if (score[a] + err[a] < score[b] - err[b])
+            FAIL_AT(line, "%s: entries %u, %u: chunk %d (%.9g) before chunk %d (%.9g), certainly out of order", what, i - 1,
+                    i, a, score[a], b, score[b]);
+    }
+    free(lo);
+    free(hi);
+    free(in);
+    free(want);
+    return open;
+}
+#define check_topk(what, got, score, err, n, k) check_topk_at(__LINE__, what, got, score, err, n, k, !dm_is_cuda())
+
+static void check_same_ids_at(int line, const char *what, const int32_t *a, const int32_t *b, uint32_t k) {
+    if (memcmp(a, b, k * sizeof(int32_t)) != 0) {
+        print_ids("first ", a, k);
+        print_ids("second", b, k);
+        FAIL_AT(line, "%s: the two top-k lists differ", what);
+    }
+}
+#define check_same_ids(what, a, b, k) check_same_ids_at(__LINE__, what, a, b, k)
+
+static void check_same_set_at(int line, const char *what, const int32_t *a, const int32_t *b, uint32_t k) {
+    for (uint32_t i = 0; i < k; i++) {
+        bool found = false;
+        for (uint32_t j = 0; j < k && !found; j++) found = a[i] == b[j];
+        if (!found) {
+            print_ids("first ", a, k);
+            print_ids("second", b, k);
+            FAIL_AT(line, "%s: %d is in the first top-k only", what, a[i]);
+        }
+    }
+}
+#define check_same_set(what, a, b, k) check_same_set_at(__LINE__, what, a, b, k)
+
+static void check_all_at(int line, const char *what, const int32_t *v, uint32_t k, int32_t value) {
+    for (uint32_t i = 0; i < k; i++)
+        if (v[i] != value) FAIL_AT(line, "%s: entry %u is %d, expected %d", what, i, v[i], value);
+}
+#define check_all(what, v, k, value) check_all_at(__LINE__, what, v, k, value)
+
+/* ---- calls with "device" copies of host data ---- */
+
+static void fill_i32(int32_t *v, size_t n, int32_t x) {
+    for (size_t i = 0; i < n; i++) v[i] = x;
+}
+
+/* fm_score_topk with exact-size device copies of `hidden` (hidden_n floats),
+ * the key rows and scales of `keys` and `out` (k entries: uploaded before the
+ * call, read back after it, whatever its outcome). `n_chunks` may differ
+ * from keys->n (limit tests). The call's stream is `stream`. */
+static enum KvswapStatus fm_topk_on(void *stream, const FmScorer *s, const float *hidden, size_t hidden_n, const HKeys *keys,
+                                    size_t n_chunks, uint32_t k, int32_t *out) {
+    void *dh = dev_copy(hidden, hidden_n * sizeof(float));
+    void *dk = dev_copy(keys->data, hkeys_bytes(keys));
+    void *ds = keys->scales ? dev_copy(keys->scales, keys->n * sizeof(float)) : NULL;
+    int32_t *dout = (int32_t *)dev_copy(out, (size_t)k * sizeof(int32_t));
+    FmKeys fk = fmkeys_of(dk, (const float *)ds, keys);
+    before_call(stream);
+    enum KvswapStatus st = fm_score_topk(s, (const float *)dh, &fk, n_chunks, k, dout, stream);
+    after_call(stream);
+    dm_sync();
+    dm_download(out, dout, (size_t)k * sizeof(int32_t));
+    dm_free(dh);
+    dm_free(dk);
+    dm_free(ds);
+    dm_free(dout);
+    return st;
+}
+#define fm_topk(s, hidden, hidden_n, keys, n, k, out) fm_topk_on(dm_stream(), s, hidden, hidden_n, keys, n, k, out)
+
+/* fm_score_topk that must succeed; `out` gets the result. */
+static void fm_topk_ok_at(int line, const FmScorer *s, const float *hidden, size_t hidden_n, const HKeys *keys, uint32_t k,
+                          int32_t *out) {
+    fill_i32(out, k, FM_SENTINEL);
+    CHECK_OK_AT(line, fm_topk(s, hidden, hidden_n, keys, keys->n, k, out));
+}
+#define fm_topk_ok(s, hidden, hidden_n, keys, k, out) fm_topk_ok_at(__LINE__, s, hidden, hidden_n, keys, k, out)
+
+/* A batch of `n` sequences: device copies of each hidden state, keys and
+ * output (uploaded, then read back whatever the outcome). */
+typedef struct HSeq {
+    const float *hidden;
+    size_t hidden_n;
+    const HKeys *keys;
+    size_t n_chunks;
+    int32_t *out; /* FM_BATCH_OUT entries, host */
+} HSeq;
+#define FM_BATCH_OUT 16u
+
+static enum KvswapStatus fm_batch(const FmScorer *s, const HSeq *hs, size_t n, size_t n_seqs_arg, uint32_t k, bool null_out1) {
+    FmSeq seqs[4];
+    void *bufs[4][4];
+    CHECK(n <= 4);
+    memset(seqs, 0, sizeof seqs);
+    for (size_t i = 0; i < n; i++) {
+        bufs[i][0] = dev_copy(hs[i].hidden, hs[i].hidden_n * sizeof(float));
+        bufs[i][1] = dev_copy(hs[i].keys->data, hkeys_bytes(hs[i].keys));
+        bufs[i][2] = hs[i].keys->scales ? dev_copy(hs[i].keys->scales, hs[i].keys->n * sizeof(float)) : NULL;
+        bufs[i][3] = dm_alloc((size_t)k * sizeof(int32_t)); /* k may exceed FM_BATCH_OUT (refused calls) */
+        dm_upload(bufs[i][3], hs[i].out, (size_t)(k < FM_BATCH_OUT ? k : FM_BATCH_OUT) * sizeof(int32_t));
+        seqs[i].hidden = (const float *)bufs[i][0];
+        seqs[i].keys = fmkeys_of(bufs[i][1], (const float *)bufs[i][2], hs[i].keys);
+        seqs[i].n_chunks = hs[i].n_chunks;
+        seqs[i].out_indices = (null_out1 && i == 1) ? NULL : (int32_t *)bufs[i][3];
+    }
+    enum KvswapStatus st = fm_score_topk_batch(s, n_seqs_arg, seqs, k, dm_stream());
+    dm_sync();
+    for (size_t i = 0; i < n; i++) {
+        dm_download(hs[i].out, bufs[i][3], (size_t)(k < FM_BATCH_OUT ? k : FM_BATCH_OUT) * sizeof(int32_t));
+        for (int b = 0; b < 4; b++) dm_free(bufs[i][b]);
+    }
+    return st;
+}
+
+/* fm_bounds_topk on `device` (-1: host memory; else device copies). `out`
+ * (k entries) is uploaded first and read back after the call. */
+static enum KvswapStatus bounds_topk_on(int32_t device, const float *query, const float *lo, const float *hi, uint32_t dim,
+                                        size_t n, uint32_t k, int32_t *out) {
+    if (device < 0) return fm_bounds_topk(device, query, lo, hi, dim, n, k, out, NULL);
+    void *dq = dev_copy(query, dim * sizeof(float));
+    void *dlo = dev_copy(lo, n * dim * sizeof(float));
+    void *dhi = dev_copy(hi, n * dim * sizeof(float));
+    int32_t *dout = (int32_t *)dev_copy(out, (size_t)k * sizeof(int32_t));
+    enum KvswapStatus st = fm_bounds_topk(device, (const float *)dq, (const float *)dlo, (const float *)dhi, dim, n, k, dout,
+                                          dm_stream());
+    dm_sync();
+    dm_download(out, dout, (size_t)k * sizeof(int32_t));
+    dm_free(dq);
+    dm_free(dlo);
+    dm_free(dhi);
+    dm_free(dout);
+    return st;
+}
+
+/* ---- the groups ---- */
+
+static FmScorer *fm_load_ok_at(int line, const char *path) {
+    FmScorer *s = NULL;
+    CHECK_OK_AT(line, fm_scorer_load(path, dm_is_cuda() ? 0 : -1, &s));
+    CHECK_AT(line, s != NULL);
+    return s;
+}
+#define fm_load_ok(path) fm_load_ok_at(__LINE__, path)
+
+static FmScorer *const FM_OUT_SENTINEL = (FmScorer *)(uintptr_t)0x5EED5EEDu;
+
+static void fm_load_refused_at(int line, const char *path, int32_t device, enum KvswapStatus want, const char *substr) {
+    FmScorer *s = FM_OUT_SENTINEL;
+    CHECK_ERR_AT(line, fm_scorer_load(path, device, &s), want, substr);
+    CHECK_MSG_AT(line, "fm_scorer_load");
+    if (s != FM_OUT_SENTINEL) FAIL_AT(line, "fm_scorer_load wrote its out-parameter on failure");
+}
+#define fm_load_refused(path, device, want, substr) fm_load_refused_at(__LINE__, path, device, want, substr)
+
+/* A file of `len` bytes in $TMPDIR (or /tmp); `path` gets its name. */
+static void write_temp_file(char *path, size_t cap, const void *bytes, size_t len) {
+    const char *dir = getenv("TMPDIR");
+    snprintf(path, cap, "%s/kvswap-test-fm-XXXXXX", dir && dir[0] ? dir : "/tmp");
+    int fd = mkstemp(path);
+    if (fd < 0) FAIL("mkstemp(%s) failed", path);
+    FILE *f = fdopen(fd, "wb");
+    if (!f) FAIL("fdopen failed");
+    if (len && fwrite(bytes, 1, len, f) != len) FAIL("cannot write %s", path);
+    if (fclose(f) != 0) FAIL("cannot write %s", path);
+}
+
+/* A safetensors file with only metadata: `json` is its header. */
+static void write_temp_safetensors(char *path, size_t cap, const char *json) {
+    size_t n = strlen(json);
+    uint8_t *buf = (uint8_t *)malloc(8 + n);
+    if (!buf) FAIL("out of host memory");
+    for (int i = 0; i < 8; i++) buf[i] = (uint8_t)((uint64_t)n >> (8 * i));
+    memcpy(buf + 8, json, n);
+    write_temp_file(path, cap, buf, 8 + n);
+    free(buf);
+}
+
+static void test_fm_load_errors(const char *ckpt) {
+    /* A missing file: IO, naming the path. */
+    const char *missing = "/nonexistent-kvswap-test-dir/no-such-checkpoint.safetensors";
+    fm_load_refused(missing, -1, KVSWAP_STATUS_IO, missing);
+    fm_load_refused(missing, dm_is_cuda() ? 0 : -1, KVSWAP_STATUS_IO, missing);
+    /* A directory: IO. */
+    fm_load_refused("/", -1, KVSWAP_STATUS_IO, "cannot read checkpoint");
+
+    /* Not a checkpoint: BAD_CHECKPOINT, naming the path. */
+    char path[4096];
+    const char garbage[] = "this is not a safetensors file\n";
+    write_temp_file(path, sizeof path, garbage, sizeof garbage - 1);
+    fm_load_refused(path, -1, KVSWAP_STATUS_BAD_CHECKPOINT, path);
+    CHECK_MSG("safetensors");
+    CHECK(remove(path) == 0);
+    write_temp_file(path, sizeof path, "", 0);
+    fm_load_refused(path, -1, KVSWAP_STATUS_BAD_CHECKPOINT, path);
+    CHECK(remove(path) == 0);
+    /* A safetensors file of another format. */
+    write_temp_safetensors(path, sizeof path, "{\"__metadata__\":{\"format\":\"not-flashmemory\"}}");
+    fm_load_refused(path, -1, KVSWAP_STATUS_BAD_CHECKPOINT, "format");
+    CHECK_MSG("flashmemory-v1");
+    CHECK(remove(path) == 0);
+    /* The real checkpoint cut in half. */
+    size_t len = 0;
+    uint8_t *whole = read_whole_file(ckpt, &len);
+    write_temp_file(path, sizeof path, whole, len / 2);
+    free(whole);
+    fm_load_refused(path, dm_is_cuda() ? 0 : -1, KVSWAP_STATUS_BAD_CHECKPOINT, path);
+    CHECK(remove(path) == 0);
+
+    /* Arguments. */
+    fm_load_refused(NULL, -1, KVSWAP_STATUS_NULL_POINTER, "path");
+    CHECK_ERR(fm_scorer_load(ckpt, -1, NULL), KVSWAP_STATUS_NULL_POINTER, "out");
+    CHECK_MSG("fm_scorer_load");
+    fm_load_refused("", -1, KVSWAP_STATUS_INVALID_ARGUMENT, "path is empty");
+    fm_load_refused(ckpt, -5, KVSWAP_STATUS_INVALID_ARGUMENT, "device = -5");
+    fm_load_refused(ckpt, -2, KVSWAP_STATUS_INVALID_ARGUMENT, "device = -2");
+    if (!dm_driver_present()) {
+        /* A CUDA ordinal where there is no driver. */
+        fm_load_refused(ckpt, 0, KVSWAP_STATUS_NO_DEVICE, "CUDA");
+    }
+    group_done("fm_scorer_load: missing file / directory (IO, naming the path), garbage, empty, foreign format and "
+               "truncated files (BAD_CHECKPOINT), NULL path/out, empty path, device -5; out untouched");
+}
+
+static void check_info_at(int line, const FmScorer *s, uint32_t ensemble) {
+    FmScorerInfo info;
+    memset(&info, 0xA5, sizeof info);
+    CHECK_OK_AT(line, fm_scorer_info(s, &info));
+    if (info.n_scorers != FM_WANT_SCORERS || info.hidden != FM_WANT_HIDDEN || info.n_heads != FM_WANT_HEADS ||
+        info.head_dim != FM_WANT_HEAD_DIM)
+        FAIL_AT(line, "fm_scorer_info: %u scorers, hidden %u, %u heads x %u: expected the checkpoint of `" FM_INIT_CMD "`",
+                info.n_scorers, info.hidden, info.n_heads, info.head_dim);
+    CHECK_AT(line, info.ensemble == ensemble);
+    CHECK_AT(line, info.device == (dm_is_cuda() ? 0 : -1));
+    /* bf16 weights: 2 bytes per element of every wq and ww. */
+    uint64_t elems = (uint64_t)info.n_scorers * info.n_heads * (info.head_dim + 1) * info.hidden;
+    CHECK_AT(line, info.weight_bytes > 0);
+    if (info.weight_bytes != 2 * elems)
+        FAIL_AT(line, "fm_scorer_info: weight_bytes = %llu, expected %llu (bf16)", (unsigned long long)info.weight_bytes,
+                (unsigned long long)(2 * elems));
+}
+#define check_info(s, ensemble) check_info_at(__LINE__, s, ensemble)
+
+static float *random_hidden(size_t n) {
+    float *h = (float *)malloc(n * sizeof(float));
+    if (!h) FAIL("out of host memory");
+    for (size_t i = 0; i < n; i++) h[i] = fm_frand();
+    return h;
+}
+
+/* Top-k of `keys` against the reference (exact on CPU, within bounds on CUDA). */
+static void fm_topk_vs_ref_at(int line, const char *what, const FmScorer *s, const float *hidden, size_t hn,
+                              const HKeys *keys, uint32_t k, uint32_t ensemble, int32_t *out) {
+    double *sc = (double *)malloc(keys->n * sizeof(double)), *er = (double *)malloc(keys->n * sizeof(double));
+    if (!sc || !er) FAIL("out of host memory");
+    fm_topk_ok_at(line, s, hidden, hn, keys, k, out);
+    fm_reference(hidden, keys, ensemble, sc, er);
+    check_topk_at(line, what, out, sc, er, keys->n, k, !dm_is_cuda());
+    free(sc);
+    free(er);
+}
+#define fm_topk_vs_ref(what, s, hidden, hn, keys, k, ensemble, out) \
+    fm_topk_vs_ref_at(__LINE__, what, s, hidden, hn, keys, k, ensemble, out)
+
+/* Values the header says are refused on every backend: a NaN or Inf fp8
+ * scale ("A NaN or Inf in hidden, the keys or the scales is
+ * KVSWAP_STATUS_INVALID_ARGUMENT") and, for fm_bounds_topk on CUDA, NaN/Inf
+ * bounds and a minimum above its maximum ("NaN/Inf values, or a minimum
+ * above its maximum, are KVSWAP_STATUS_INVALID_ARGUMENT"). Every case is
+ * tried and every broken one printed before the group fails. */
+static void test_fm_value_contract(const FmScorer *s, const float *hidden, size_t hn, int32_t after_bad) {
+    int broken = 0;
+    int32_t out[16];
+    FmScorerInfo info;
+    CHECK_OK(fm_scorer_info(s, &info));
+    const uint32_t bad_bits[3] = {0x7FC00000u, 0xFF800000u, 0x7F800000u};
+    const char *names[3] = {"NaN", "-inf", "+inf"};
+    HKeys k8s = hkeys_random(FM_KEYS_FP8_E4M3, 50, info.head_dim, 0, false);
+    for (int b = 0; b < 3; b++) {
+        k8s.scales[40] = f32_of_bits(bad_bits[b]);
+        fill_i32(out, 16, FM_SENTINEL);
+        enum KvswapStatus st = fm_topk(s, hidden, hn, &k8s, 50, 16, out);
+        if (st == KVSWAP_STATUS_INVALID_ARGUMENT) {
+            CHECK_MSG("chunk 40");
+            CHECK_MSG("fm_score_topk");
+            check_all("non-finite fp8 scale", out, 16, after_bad);
+        } else {
+            print_ids("out", out, 16);
+            fprintf(stderr, "%s:%d: BROKEN: fm_score_topk with a %s fp8 scale (chunk 40) returned %s, expected "
+                            "KVSWAP_STATUS_INVALID_ARGUMENT%s\n",
+                    __FILE__, __LINE__, names[b], sname(st),
+                    dm_is_cuda() ? " (the CUDA scorer checks only the key dot product d for finiteness; "
+                                   "relu(d * scale) turns a NaN or -inf product into 0)"
+                                 : "");
+            broken++;
+        }
+        CHECK_OK(fm_scorer_sync(s, dm_stream()));
+    }
+    hkeys_free(&k8s);
+    /* Bounds on this backend's device: min > max, NaN and +inf bounds. */
+    const int32_t dev = dm_is_cuda() ? 0 : -1;
+    const uint32_t dim = 64;
+    const size_t nc = 10;
+    float *q = random_hidden(dim), *lo = random_hidden(nc * dim), *hi = random_hidden(nc * dim);
+    for (size_t i = 0; i < nc * dim; i++) {
+        if (lo[i] > hi[i]) {
+            float t = lo[i];
+            lo[i] = hi[i];
+            hi[i] = t;
+        }
+    }
+    struct {
+        const char *what, *substr;
+        float *arr;
+        float value;
+    } bcases[3] = {
+        {"bounds_min[3][5] above bounds_max[3][5]", "chunk 3", lo, 0},
+        {"a NaN in bounds_max[3][5]", "chunk 3", hi, f32_of_bits(0x7FC00000u)},
+        {"+inf in bounds_min[3][5]", "chunk 3", lo, f32_of_bits(0x7F800000u)},
+    };
+    bcases[0].value = hi[3 * dim + 5] + 1.0f;
+    for (int c = 0; c < 3; c++) {
+        float keep = bcases[c].arr[3 * dim + 5];
+        bcases[c].arr[3 * dim + 5] = bcases[c].value;
+        fill_i32(out, 8, FM_SENTINEL);
+        enum KvswapStatus st = bounds_topk_on(dev, q, lo, hi, dim, nc, 8, out);
+        bcases[c].arr[3 * dim + 5] = keep;
+        if (st == KVSWAP_STATUS_INVALID_ARGUMENT) {
+            CHECK_MSG("fm_bounds_topk");
+            CHECK_MSG(bcases[c].substr);
+        } else {
+            print_ids("out", out, 8);
+            fprintf(stderr, "%s:%d: BROKEN: fm_bounds_topk(device %d) with %s returned %s, expected "
+                            "KVSWAP_STATUS_INVALID_ARGUMENT\n",
+                    __FILE__, __LINE__, dev, bcases[c].what, sname(st));
+            broken++;
+        }
+    }
+    free(q);
+    free(lo);
+    free(hi);
+    if (broken) FAIL("%d value check(s) above: the library does not refuse what include/kvswap.h says it refuses", broken);
+    group_done("fm_score_topk: NaN / -inf / +inf fp8 scales, fm_bounds_topk: min > max, NaN and Inf bounds on this "
+               "backend -> INVALID_ARGUMENT naming the chunk");
+}
+
+static void test_fm_scoring(const char *ckpt) {
+    FmScorer *s = fm_load_ok(ckpt);
+    FmScorerInfo info;
+    CHECK_OK(fm_scorer_info(s, &info));
+    check_info(s, KVSWAP_ENSEMBLE_MAX);
+    fmref_load(ckpt, &info);
+    const uint32_t hd = info.head_dim;
+    const size_t hn = (size_t)info.n_scorers * info.hidden;
+
+    /* info / set_ensemble / sync arguments. */
+    CHECK_ERR(fm_scorer_info(NULL, &info), KVSWAP_STATUS_NULL_POINTER, "scorer");
+    CHECK_MSG("fm_scorer_info");
+    CHECK_ERR(fm_scorer_info(s, NULL), KVSWAP_STATUS_NULL_POINTER, "out");
+    CHECK_OK(fm_scorer_set_ensemble(s, KVSWAP_ENSEMBLE_MEAN));
+    check_info(s, KVSWAP_ENSEMBLE_MEAN);
+    CHECK_ERR(fm_scorer_set_ensemble(s, 2), KVSWAP_STATUS_INVALID_ARGUMENT, "ensemble = 2");
+    CHECK_MSG("fm_scorer_set_ensemble");
+    check_info(s, KVSWAP_ENSEMBLE_MEAN); /* unchanged by the refusal */
+    CHECK_ERR(fm_scorer_set_ensemble(NULL, KVSWAP_ENSEMBLE_MAX), KVSWAP_STATUS_NULL_POINTER, "scorer");
+    CHECK_OK(fm_scorer_set_ensemble(s, KVSWAP_ENSEMBLE_MAX));
+    check_info(s, KVSWAP_ENSEMBLE_MAX);
+    CHECK_OK(fm_scorer_sync(s, dm_stream()));
+    CHECK_ERR(fm_scorer_sync(NULL, dm_stream()), KVSWAP_STATUS_NULL_POINTER, "scorer");
+    CHECK_MSG("fm_scorer_sync");
+    group_done("fm_scorer_info (2 scorers, hidden 64, 16 heads x 64, max, bf16 weight_bytes), set_ensemble max/mean "
+               "and a bad value (refused, unchanged), fm_scorer_sync, NULL handles");
+
+    /* Random inputs against the reference, every key type, both ensembles. */
+    int32_t out[FM_MAX_TOPK], out2[FM_MAX_TOPK];
+    float *hidden = random_hidden(hn);
+    const size_t n = 160;
+    HKeys kb = hkeys_random(FM_KEYS_BF16, n, hd, 0, false);
+    HKeys kf = hkeys_random(FM_KEYS_F32, n, hd, 0, false);
+    HKeys k8 = hkeys_random(FM_KEYS_FP8_E4M3, n, hd, 0, false);
+    fm_topk_vs_ref("bf16 keys, k 16", s, hidden, hn, &kb, 16, KVSWAP_ENSEMBLE_MAX, out);
+    fm_topk_vs_ref("bf16 keys, k 1", s, hidden, hn, &kb, 1, KVSWAP_ENSEMBLE_MAX, out);
+    fm_topk_vs_ref("bf16 keys, k = n", s, hidden, hn, &kb, (uint32_t)n, KVSWAP_ENSEMBLE_MAX, out);
+    fm_topk_vs_ref("f32 keys", s, hidden, hn, &kf, 32, KVSWAP_ENSEMBLE_MAX, out);
+    fm_topk_vs_ref("fp8 keys", s, hidden, hn, &k8, 32, KVSWAP_ENSEMBLE_MAX, out);
+    CHECK_OK(fm_scorer_set_ensemble(s, KVSWAP_ENSEMBLE_MEAN));
+    fm_topk_vs_ref("bf16 keys, mean", s, hidden, hn, &kb, 16, KVSWAP_ENSEMBLE_MEAN, out);
+    fm_topk_vs_ref("fp8 keys, mean", s, hidden, hn, &k8, 16, KVSWAP_ENSEMBLE_MEAN, out);
+    CHECK_OK(fm_scorer_set_ensemble(s, KVSWAP_ENSEMBLE_MAX));
+    {
+        /* Many chunks (several selection blocks on CUDA) and the largest k. */
+        const size_t big = dm_is_cuda() ? 70000 : 2100;
+        HKeys kbig = hkeys_random(FM_KEYS_BF16, big, hd, 0, false);
+        fm_topk_vs_ref("bf16 keys, many chunks, k 2048", s, hidden, hn, &kbig, FM_MAX_TOPK, KVSWAP_ENSEMBLE_MAX, out);
+        hkeys_free(&kbig);
+    }
+    /* Fewer chunks than k: -1 padding. */
+    HKeys kfew = hkeys_random(FM_KEYS_BF16, 5, hd, 0, false);
+    fm_topk_vs_ref("5 chunks, k 9", s, hidden, hn, &kfew, 9, KVSWAP_ENSEMBLE_MAX, out);
+    for (int i = 5; i < 9; i++) CHECK_EQ(out[i], -1);
+    group_done(dm_is_cuda() ? "fm_score_topk: bf16 / f32 / fp8 keys, max and mean, k 1..2048, 5..70000 chunks, -1 "
+                              "padding: within the error bound of the double-precision reference"
+                            : "fm_score_topk: bf16 / f32 / fp8 keys, max and mean, k 1..2048, 5..2100 chunks, -1 "
+                              "padding: exactly the double-precision reference (tie order included)");
+
+    /* Relations that need no weights. */
+    /* (1) Ties: every key the same (random, then zero): ids 0..k-1. */
+    HKeys same = hkeys_new(FM_KEYS_BF16, 37, hd, 0);
+    for (uint32_t d = 0; d < hd; d++) {
+        float v = fm_frand();
+        for (size_t r = 0; r < same.n; r++) hkeys_set(&same, r, d, v);
+    }
+    fm_topk_ok(s, hidden, hn, &same, 10, out);
+    for (int32_t i = 0; i < 10; i++) CHECK_EQ(out[i], i);
+    /* (2) k > n_chunks: 0..n-1, then -1. */
+    fm_topk_ok(s, hidden, hn, &same, 50, out);
+    for (int32_t i = 0; i < 50; i++) CHECK_EQ(out[i], i < 37 ? i : -1);
+    HKeys zero = hkeys_new(FM_KEYS_F32, 20, hd, 0);
+    for (size_t r = 0; r < zero.n; r++)
+        for (uint32_t d = 0; d < hd; d++) hkeys_set(&zero, r, d, 0.0f);
+    fm_topk_ok(s, hidden, hn, &zero, 7, out);
+    for (int32_t i = 0; i < 7; i++) CHECK_EQ(out[i], i);
+    /* (3) f32 keys holding the bf16 values: the same top-k. */
+    HKeys kb_as_f32 = hkeys_convert(&kb, FM_KEYS_F32, 0);
+    fm_topk_ok(s, hidden, hn, &kb, 40, out);
+    fm_topk_ok(s, hidden, hn, &kb_as_f32, 40, out2);
+    check_same_ids("bf16 keys vs f32 keys holding them", out, out2, 40);
+    /* ... fp8 keys with power-of-two scales vs f32 keys holding fp8 x scale. */
+    HKeys k8p = hkeys_random(FM_KEYS_FP8_E4M3, n, hd, 0, true);
+    HKeys k8p_as_f32 = hkeys_convert(&k8p, FM_KEYS_F32, 0);
+    fm_topk_ok(s, hidden, hn, &k8p, 40, out);
+    fm_topk_ok(s, hidden, hn, &k8p_as_f32, 40, out2);
+    check_same_ids("fp8 keys (power-of-two scales) vs f32 keys holding fp8 x scale", out, out2, 40);
+    /* ... and strided rows (padding bytes are NaN: never read). */
+    HKeys kb_strided = hkeys_convert(&kb, FM_KEYS_BF16, (size_t)hd * 2 + 48);
+    HKeys kf_strided = hkeys_convert(&kf, FM_KEYS_F32, (size_t)hd * 4 + 16);
+    fm_topk_ok(s, hidden, hn, &kb, 40, out);
+    fm_topk_ok(s, hidden, hn, &kb_strided, 40, out2);
+    check_same_ids("dense vs strided bf16 keys", out, out2, 40);
+    fm_topk_ok(s, hidden, hn, &kf, 40, out);
+    fm_topk_ok(s, hidden, hn, &kf_strided, 40, out2);
+    check_same_ids("dense vs strided f32 keys", out, out2, 40);
+    /* (4) Permuted key rows permute the ids. */
+    uint32_t *perm = (uint32_t *)malloc(n * sizeof(uint32_t));
+    CHECK(perm != NULL);
+    for (uint32_t i = 0; i < n; i++) perm[i] = i;
+    for (uint32_t i = (uint32_t)n - 1; i > 0; i--) {
+        uint32_t j = fm_rand_u32() % (i + 1), t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    HKeys kb_perm = hkeys_permute(&kb, perm);
+    fm_topk_ok(s, hidden, hn, &kb, 24, out);
+    fm_topk_ok(s, hidden, hn, &kb_perm, 24, out2);
+    for (int i = 0; i < 24; i++) out2[i] = (int32_t)perm[out2[i]];
+    if (dm_is_cuda()) check_same_set("permuted key rows (ids mapped back)", out, out2, 24);
+    else check_same_ids("permuted key rows (ids mapped back)", out, out2, 24);
+    /* (5) hidden x 2 scales every score by 4: the same top-k. */
+    float *hidden2 = (float *)malloc(hn * sizeof(float));
+    CHECK(hidden2 != NULL);
+    for (size_t i = 0; i < hn; i++) hidden2[i] = 2.0f * hidden[i];
+    fm_topk_ok(s, hidden, hn, &kb, 64, out);
+    fm_topk_ok(s, hidden2, hn, &kb, 64, out2);
+    check_same_ids("hidden vs 2 x hidden", out, out2, 64);
+    /* (6) Scorer 1's input zero: s_1 = 0, so the mean ranks by s_0 and the
+     * max puts the chunks with s_0 > 0 first in the same order, then every
+     * other chunk (score 0) by id. */
+    float *half_zero = (float *)malloc(hn * sizeof(float));
+    CHECK(half_zero != NULL);
+    for (size_t i = 0; i < hn; i++) half_zero[i] = i < info.hidden ? hidden[i] : 0.0f;
+    const uint32_t nz = 40;
+    HKeys kz = hkeys_random(FM_KEYS_BF16, nz, hd, 0, false);
+    CHECK_OK(fm_scorer_set_ensemble(s, KVSWAP_ENSEMBLE_MEAN));
+    fm_topk_ok(s, half_zero, hn, &kz, nz, out);
+    CHECK_OK(fm_scorer_set_ensemble(s, KVSWAP_ENSEMBLE_MAX));
+    fm_topk_ok(s, half_zero, hn, &kz, nz, out2);
+    uint32_t m = 0;
+    while (m < nz && out2[m] == out[m]) m++;
+    /* out2[m..) must be the ids outside out[0..m), ascending. */
+    bool is_pos[64] = {false};
+    for (uint32_t i = 0; i < m; i++) is_pos[out[i]] = true;
+    for (uint32_t i = m, id = 0; i < nz; i++, id++) {
+        while (id < nz && is_pos[id]) id++;
+        if (out2[i] != (int32_t)id) {
+            print_ids("mean", out, nz);
+            print_ids("max ", out2, nz);
+            FAIL("ensemble with scorer 1's input zero: entry %u of max is %d, expected %u (after %u chunks with s_0 > 0)", i,
+                 out2[i], id, m);
+        }
+    }
+    if (m == 0 || m >= nz) FAIL("ensemble relation: %u of %u chunks score above 0: the check tests nothing", m, nz);
+    group_done("fm_score_topk relations: equal keys -> 0..k-1; -1 padding; f32 keys holding bf16 (and fp8 x 2^e) "
+               "values and strided rows give the same top-k; permuted rows permute the ids; 2 x hidden; the "
+               "ensemble with one scorer's input zero (max vs mean)");
+
+    /* NaN / Inf: INVALID_ARGUMENT. CPU: out untouched; CUDA (KVSWAP_SYNC=1):
+     * out written as -1, and fm_scorer_sync has nothing left to report. */
+    float *bad = (float *)malloc(hn * sizeof(float));
+    CHECK(bad != NULL);
+    memcpy(bad, hidden, hn * sizeof(float));
+    bad[info.hidden + 5] = f32_of_bits(0x7FC00000u);
+    const int32_t after_bad = dm_is_cuda() ? -1 : FM_SENTINEL;
+    fill_i32(out, 16, FM_SENTINEL);
+    CHECK_ERR(fm_topk(s, bad, hn, &kb, n, 16, out), KVSWAP_STATUS_INVALID_ARGUMENT, "hidden");
+    CHECK_MSG("fm_score_topk");
+    CHECK_MSG(dm_is_cuda() ? "scorer 1's input at position 5" : "scorer 1, position 5");
+    check_all("NaN hidden", out, 16, after_bad);
+    CHECK_OK(fm_scorer_sync(s, dm_stream()));
+    bad[info.hidden + 5] = f32_of_bits(0xFF800000u); /* -inf */
+    CHECK_ERR(fm_topk(s, bad, hn, &kb, n, 16, out), KVSWAP_STATUS_INVALID_ARGUMENT, "hidden");
+    CHECK_OK(fm_scorer_sync(s, dm_stream()));
+    /* The scorer is still good afterwards. */
+    fm_topk_vs_ref("after NaN", s, hidden, hn, &kb, 16, KVSWAP_ENSEMBLE_MAX, out);
+    HKeys kbad = hkeys_convert(&kf, FM_KEYS_F32, 0);
+    float inf = f32_of_bits(0x7F800000u);
+    memcpy(hkeys_at(&kbad, 123, 7), &inf, 4);
+    fill_i32(out, 16, FM_SENTINEL);
+    CHECK_ERR(fm_topk(s, hidden, hn, &kbad, n, 16, out), KVSWAP_STATUS_INVALID_ARGUMENT, "chunk 123");
+    if (!dm_is_cuda()) CHECK_MSG("element 7");
+    check_all("Inf key", out, 16, after_bad);
+    CHECK_OK(fm_scorer_sync(s, dm_stream()));
+    HKeys k8bad = hkeys_random(FM_KEYS_FP8_E4M3, 50, hd, 0, false);
+    *hkeys_at(&k8bad, 31, 2) = 0x7F; /* fp8 NaN */
+    fill_i32(out, 16, FM_SENTINEL);
+    CHECK_ERR(fm_topk(s, hidden, hn, &k8bad, 50, 16, out), KVSWAP_STATUS_INVALID_ARGUMENT, "chunk 31");
+    check_all("fp8 NaN key", out, 16, after_bad);
+    CHECK_OK(fm_scorer_sync(s, dm_stream()));
+    hkeys_free(&k8bad);
+    hkeys_free(&kbad);
+
+    /* KVSWAP_SYNC=0 (read at load): on CUDA the call does not wait, writes
+     * -1 and leaves the error to fm_scorer_sync; the CPU reports it at once. */
+    CHECK(setenv("KVSWAP_SYNC", "0", 1) == 0);
+    FmScorer *async = fm_load_ok(ckpt);
+    CHECK(unsetenv("KVSWAP_SYNC") == 0);
+    fill_i32(out, 16, FM_SENTINEL);
+    bad[info.hidden + 5] = f32_of_bits(0x7FC00000u);
+    if (dm_is_cuda()) {
+        CHECK_OK(fm_topk(async, bad, hn, &kb, n, 16, out)); /* read back after the stream: -1 */
+        check_all("NaN hidden, KVSWAP_SYNC=0", out, 16, -1);
+        CHECK_ERR(fm_scorer_sync(async, dm_stream()), KVSWAP_STATUS_INVALID_ARGUMENT, "hidden");
+        CHECK_MSG("fm_scorer_sync");
+    } else {
+        CHECK_ERR(fm_topk(async, bad, hn, &kb, n, 16, out), KVSWAP_STATUS_INVALID_ARGUMENT, "hidden");
+        check_all("NaN hidden, KVSWAP_SYNC=0", out, 16, FM_SENTINEL);
+    }
+    CHECK_OK(fm_scorer_sync(async, dm_stream())); /* reported once */
+    fm_topk_vs_ref("KVSWAP_SYNC=0", async, hidden, hn, &kb, 16, KVSWAP_ENSEMBLE_MAX, out);
+    CHECK_OK(fm_scorer_sync(async, dm_stream()));
+    fm_scorer_free(async);
+    group_done(dm_is_cuda() ? "fm_score_topk: NaN/Inf hidden, Inf key, fp8 NaN key -> INVALID_ARGUMENT "
+                              "naming scorer/chunk, top-k written as -1, fm_scorer_sync OK after; KVSWAP_SYNC=0: the "
+                              "call returns OK and fm_scorer_sync reports the error once"
+                            : "fm_score_topk: NaN/Inf hidden, Inf key, fp8 NaN key -> INVALID_ARGUMENT "
+                              "naming scorer/chunk and position, out untouched; fm_scorer_sync OK; KVSWAP_SYNC=0 "
+                              "changes nothing on the CPU");
+
+    /* Arguments: refused before anything is scored; out untouched. */
+    {
+        struct {
+            size_t n_chunks;
+            uint32_t k;
+            enum KvswapStatus want;
+            const char *substr;
+        } cases[] = {
+            {n, 0, KVSWAP_STATUS_INVALID_ARGUMENT, "k is 0"},
+            {n, FM_MAX_TOPK + 1, KVSWAP_STATUS_OUT_OF_RANGE, "FM_MAX_TOPK = 2048"},
+            {0, 16, KVSWAP_STATUS_INVALID_ARGUMENT, "n_chunks is 0"},
+            {(size_t)FM_MAX_CHUNKS + 1, 16, KVSWAP_STATUS_OUT_OF_RANGE, "FM_MAX_CHUNKS"},
+        };
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+            int32_t *o = (int32_t *)malloc(((size_t)cases[i].k + 1) * sizeof(int32_t));
+            CHECK(o != NULL);
+            fill_i32(o, cases[i].k + 1, FM_SENTINEL);
+            CHECK_ERR(fm_topk(s, hidden, hn, &kb, cases[i].n_chunks, cases[i].k, o), cases[i].want, cases[i].substr);
+            CHECK_MSG("fm_score_topk");
+            check_all("refused call", o, cases[i].k, FM_SENTINEL);
+            free(o);
+        }
+        /* NULL and misaligned pointers, bad dtype and stride (no device copy
+         * needed: refused before any pointer is used). */
+        void *dh = dev_copy(hidden, hn * sizeof(float));
+        void *dk = dev_copy(kb.data, hkeys_bytes(&kb));
+        int32_t *dout = (int32_t *)dev_copy(out, 16 * sizeof(int32_t));
+        FmKeys fk = fmkeys_of(dk, NULL, &kb);
+        void *st = dm_stream();
+        CHECK_ERR(fm_score_topk(NULL, (const float *)dh, &fk, n, 16, dout, st), KVSWAP_STATUS_NULL_POINTER, "scorer");
+        CHECK_ERR(fm_score_topk(s, NULL, &fk, n, 16, dout, st), KVSWAP_STATUS_NULL_POINTER, "hidden");
+        CHECK_ERR(fm_score_topk(s, (const float *)dh, NULL, n, 16, dout, st), KVSWAP_STATUS_NULL_POINTER, "keys");
+        CHECK_ERR(fm_score_topk(s, (const float *)dh, &fk, n, 16, NULL, st), KVSWAP_STATUS_NULL_POINTER, "out_indices");
+        CHECK_ERR(fm_score_topk(s, (const float *)((const char *)dh + 2), &fk, n, 16, dout, st),
+                  KVSWAP_STATUS_INVALID_ARGUMENT, "aligned");
+        CHECK_MSG("hidden");
+        FmKeys bad_keys = fk;
+        bad_keys.data = NULL;
+        CHECK_ERR(fm_score_topk(s, (const float *)dh, &bad_keys, n, 16, dout, st), KVSWAP_STATUS_NULL_POINTER, "keys.data");
+        bad_keys = fk;
+        bad_keys.dtype = 7;
+        CHECK_ERR(fm_score_topk(s, (const float *)dh, &bad_keys, n, 16, dout, st), KVSWAP_STATUS_INVALID_ARGUMENT,
+                  "keys.dtype = 7");
+        bad_keys = fk;
+        bad_keys.row_stride_bytes = (size_t)hd * 2 - 2; /* shorter than a row */
+        CHECK_ERR(fm_score_topk(s, (const float *)dh, &bad_keys, n, 16, dout, st), KVSWAP_STATUS_INVALID_ARGUMENT,
+                  "row_stride_bytes");
+        bad_keys = fk;
+        bad_keys.row_stride_bytes = (size_t)hd * 2 + 1; /* not a multiple of 2 */
+        CHECK_ERR(fm_score_topk(s, (const float *)dh, &bad_keys, n, 16, dout, st), KVSWAP_STATUS_INVALID_ARGUMENT,
+                  "row_stride_bytes");
+        bad_keys = fk;
+        bad_keys.dtype = FM_KEYS_FP8_E4M3; /* fp8 without scales */
+        CHECK_ERR(fm_score_topk(s, (const float *)dh, &bad_keys, n, 16, dout, st), KVSWAP_STATUS_NULL_POINTER,
+                  "keys.scales");
+        if (dm_is_cuda()) {
+            /* Host memory and the legacy stream are refused on CUDA. */
+            CHECK_ERR(fm_score_topk(s, hidden, &fk, n, 16, dout, st), KVSWAP_STATUS_INVALID_ARGUMENT, "not CUDA memory");
+            CHECK_MSG("hidden");
+            FmKeys host_keys = fmkeys_of(kb.data, NULL, &kb);
+            CHECK_ERR(fm_score_topk(s, (const float *)dh, &host_keys, n, 16, dout, st), KVSWAP_STATUS_INVALID_ARGUMENT,
+                      "not CUDA memory");
+            CHECK_MSG("keys.data");
+            CHECK_ERR(fm_score_topk(s, (const float *)dh, &fk, n, 16, out, st), KVSWAP_STATUS_INVALID_ARGUMENT,
+                      "not CUDA memory");
+            CHECK_MSG("out_indices");
+            CHECK_ERR(fm_score_topk(s, (const float *)dh, &fk, n, 16, dout, NULL), KVSWAP_STATUS_INVALID_ARGUMENT,
+                      "legacy default stream");
+            CHECK_ERR(fm_scorer_sync(s, NULL), KVSWAP_STATUS_INVALID_ARGUMENT, "legacy default stream");
+            /* More chunks than the key buffer holds. */
+            CHECK_ERR(fm_score_topk(s, (const float *)dh, &fk, n * 64, 16, dout, st), KVSWAP_STATUS_OUT_OF_RANGE,
+                      "runs past the end");
+        }
+        int32_t back[16];
+        dm_sync();
+        dm_download(back, dout, sizeof back);
+        CHECK(memcmp(back, out, sizeof back) == 0);
+        dm_free(dh);
+        dm_free(dk);
+        dm_free(dout);
+    }
+    group_done(dm_is_cuda() ? "fm_score_topk refusals: k 0 / 2049, n_chunks 0 / 4M+1, NULL scorer/hidden/keys/"
+                              "keys.data/out/scales, misaligned hidden, bad dtype and strides, host pointers, the "
+                              "legacy stream, keys past their allocation; out untouched"
+                            : "fm_score_topk refusals: k 0 / 2049, n_chunks 0 / 4M+1, NULL scorer/hidden/keys/"
+                              "keys.data/out/scales, misaligned hidden, bad dtype and strides; out untouched");
+
+    /* Batches: the same as single calls, mixed key types and lengths. */
+    {
+        float *h1 = random_hidden(hn), *h2 = random_hidden(hn);
+        HKeys kshort = hkeys_random(FM_KEYS_F32, 7, hd, 0, false);
+        int32_t bo[3][FM_BATCH_OUT], so[3][FM_BATCH_OUT];
+        const uint32_t k = FM_BATCH_OUT;
+        HSeq hs[3] = {
+            {hidden, hn, &kb, kb.n, bo[0]},
+            {h1, hn, &kshort, kshort.n, bo[1]},
+            {h2, hn, &k8, k8.n, bo[2]},
+        };
+        for (int r = 0; r < 2; r++) {
+            uint32_t e = r ? KVSWAP_ENSEMBLE_MEAN : KVSWAP_ENSEMBLE_MAX;
+            CHECK_OK(fm_scorer_set_ensemble(s, e));
+            for (int i = 0; i < 3; i++) fill_i32(bo[i], k, FM_SENTINEL);
+            CHECK_OK(fm_batch(s, hs, 3, 3, k, false));
+            for (int i = 0; i < 3; i++) {
+                fm_topk_vs_ref(i == 0 ? "batch seq 0 (single)" : i == 1 ? "batch seq 1 (single)" : "batch seq 2 (single)",
+                               s, hs[i].hidden, hn, hs[i].keys, k, e, so[i]);
+                check_same_ids(i == 0 ? "batch vs single, seq 0" : i == 1 ? "batch vs single, seq 1" : "batch vs single, seq 2",
+                               bo[i], so[i], k);
+            }
+            for (int i = 7; i < 16; i++) CHECK_EQ(bo[1][i], -1);
+        }
+        CHECK_OK(fm_scorer_set_ensemble(s, KVSWAP_ENSEMBLE_MAX));
+        /* A batch of one bf16 sequence three times (one launch on CUDA). */
+        HSeq same3[3] = {{hidden, hn, &kb, kb.n, bo[0]}, {h1, hn, &kb, kb.n, bo[1]}, {h2, hn, &kb, kb.n, bo[2]}};
+        CHECK_OK(fm_batch(s, same3, 3, 3, k, false));
+        for (int i = 0; i < 3; i++) {
+            fm_topk_ok(s, same3[i].hidden, hn, &kb, k, so[i]);
+            check_same_ids("bf16 batch vs single", bo[i], so[i], k);
+        }
+        /* Refusals before anything is scored: nothing written. */
+        for (int i = 0; i < 3; i++) fill_i32(bo[i], k, FM_SENTINEL);
+        same3[2].n_chunks = 0;
+        CHECK_ERR(fm_batch(s, same3, 3, 3, k, false), KVSWAP_STATUS_INVALID_ARGUMENT, "seqs[2]");
+        CHECK_MSG("fm_score_topk_batch");
+        CHECK_MSG("n_chunks is 0");
+        same3[2].n_chunks = kb.n;
+        CHECK_ERR(fm_batch(s, same3, 3, 3, k, true), KVSWAP_STATUS_NULL_POINTER, "seqs[1].out_indices");
+        CHECK_ERR(fm_batch(s, same3, 3, 3, 0, false), KVSWAP_STATUS_INVALID_ARGUMENT, "k is 0");
+        CHECK_ERR(fm_batch(s, same3, 3, 3, FM_MAX_TOPK + 1, false), KVSWAP_STATUS_OUT_OF_RANGE, "FM_MAX_TOPK");
+        CHECK_ERR(fm_batch(s, same3, 3, 0, k, false), KVSWAP_STATUS_INVALID_ARGUMENT, "n_seqs is 0");
+        CHECK_ERR(fm_batch(s, same3, 3, (size_t)FM_MAX_SEQS + 1, k, false), KVSWAP_STATUS_OUT_OF_RANGE, "FM_MAX_SEQS");
+        for (int i = 0; i < 3; i++) check_all("refused batch", bo[i], k, FM_SENTINEL);
+        CHECK_ERR(fm_score_topk_batch(s, 3, NULL, k, dm_stream()), KVSWAP_STATUS_NULL_POINTER, "seqs");
+        FmSeq one;
+        memset(&one, 0, sizeof one);
+        CHECK_ERR(fm_score_topk_batch(NULL, 1, &one, k, dm_stream()), KVSWAP_STATUS_NULL_POINTER, "scorer");
+        /* A NaN in sequence 1: INVALID_ARGUMENT; the CPU writes nothing, CUDA
+         * writes -1 to the whole (single-launch) batch. */
+        same3[1].hidden = bad;
+        CHECK_ERR(fm_batch(s, same3, 3, 3, k, false), KVSWAP_STATUS_INVALID_ARGUMENT, "hidden");
+        if (!dm_is_cuda()) CHECK_MSG("seqs[1]");
+        for (int i = 0; i < 3; i++) check_all("batch with a NaN", bo[i], k, after_bad);
+        CHECK_OK(fm_scorer_sync(s, dm_stream()));
+        same3[1].hidden = h1;
+        CHECK_OK(fm_batch(s, same3, 3, 3, k, false));
+        for (int i = 0; i < 3; i++) check_same_ids("batch after a refused one", bo[i], so[i], k);
+        hkeys_free(&kshort);
+        free(h1);
+        free(h2);
+    }
+    group_done("fm_score_topk_batch: 3 sequences (bf16 / f32 with padding / fp8; max and mean) equal single calls; "
+               "refusals (seqs[i] named, nothing written), n_seqs 0 / 4097, NULL seqs/scorer, a NaN sequence");
+
+    /* Last, so that a failure here hides no other check. */
+    test_fm_value_contract(s, hidden, hn, after_bad);
+
+    free(bad);
+    free(half_zero);
+    hkeys_free(&kz);
+    free(hidden2);
+    free(perm);
+    hkeys_free(&kb_perm);
+    hkeys_free(&kb_strided);
+    hkeys_free(&kf_strided);
+    hkeys_free(&k8p);
+    hkeys_free(&k8p_as_f32);
+    hkeys_free(&kb_as_f32);
+    hkeys_free(&zero);
+    hkeys_free(&same);
+    hkeys_free(&kfew);
+    hkeys_free(&kb);
+    hkeys_free(&kf);
+    hkeys_free(&k8);
+    free(hidden);
+    fmref_free();
+    fm_scorer_free(s);
+}
+
+/* The next f32 above / below a finite `f`. */
+static float f32_next_up(float f) {
+    uint32_t u = bits_of_f32(f);
+    if ((u & 0x7FFFFFFFu) == 0) return f32_of_bits(1u);
+    return f32_of_bits((u & 0x80000000u) ? u - 1 : u + 1);
+}
+static float f32_next_down(float f) { return -f32_next_up(-f); }
+
+/* fm_bounds_build over `keys` (host memory on every backend), checked
+ * element by element: f32 and bf16 keys give the exact minimum and maximum;
+ * fp8 x scale gives the nearest f32 at or outside them. */
+static void bounds_build_check_at(int line, const HKeys *keys, uint32_t chunk_tokens, float **out_lo, float **out_hi) {
+    const uint32_t dim = keys->dim;
+    const size_t nc = (keys->n + chunk_tokens - 1) / chunk_tokens;
+    float *lo = (float *)malloc(nc * dim * sizeof(float)), *hi = (float *)malloc(nc * dim * sizeof(float));
+    CHECK_AT(line, lo != NULL && hi != NULL);
+    for (size_t i = 0; i < nc * dim; i++) lo[i] = hi[i] = 12345.0f;
+    FmKeys fk = fmkeys_of(keys->data, keys->scales, keys);
+    CHECK_OK_AT(line, fm_bounds_build(&fk, keys->n, dim, chunk_tokens, lo, hi));
+    for (size_t c = 0; c < nc; c++) {
+        for (uint32_t d = 0; d < dim; d++) {
+            double mn = 1e300, mx = -1e300;
+            for (size_t t = c * chunk_tokens; t < (c + 1) * chunk_tokens && t < keys->n; t++) {
+                double v = hkeys_value(keys, t, d);
+                if (v < mn) mn = v;
+                if (v > mx) mx = v;
+            }
+            float l = lo[c * dim + d], h = hi[c * dim + d];
+            bool ok = keys->dtype == FM_KEYS_FP8_E4M3
+                          ? (double)l <= mn && (double)f32_next_up(l) > mn && (double)h >= mx && (double)f32_next_down(h) < mx
+                          : (double)l == mn && (double)h == mx;
+            if (!ok)
+                FAIL_AT(line, "fm_bounds_build (dtype %u): chunk %zu element %u: [%.9g, %.9g], keys span [%.17g, %.17g]",
+                        keys->dtype, c, d, (double)l, (double)h, mn, mx);
+        }
+    }
+    *out_lo = lo;
+    *out_hi = hi;
+}
+#define bounds_build_check(keys, ct, lo, hi) bounds_build_check_at(__LINE__, keys, ct, lo, hi)
+
+/* fm_bounds_topk on `device` against the reference: exact on the CPU
+ * (device -1), within the f32 error bound on CUDA. */
+static void bounds_vs_ref_at(int line, const char *what, int32_t device, const float *q, const float *lo, const float *hi,
+                             uint32_t dim, size_t n, uint32_t k) {
+    int32_t *out = (int32_t *)malloc(k * sizeof(int32_t));
+    double *sc = (double *)malloc(n * sizeof(double)), *er = (double *)malloc(n * sizeof(double));
+    CHECK_AT(line, out && sc && er);
+    fill_i32(out, k, FM_SENTINEL);
+    CHECK_OK_AT(line, bounds_topk_on(device, q, lo, hi, dim, n, k, out));
+    bounds_reference(q, lo, hi, dim, n, sc, er);
+    check_topk_at(line, what, out, sc, er, n, k, device < 0);
+    free(out);
+    free(sc);
+    free(er);
+}
+#define bounds_vs_ref(what, device, q, lo, hi, dim, n, k) bounds_vs_ref_at(__LINE__, what, device, q, lo, hi, dim, n, k)
+
+static void bounds_refused_at(int line, int32_t device, const float *q, const float *lo, const float *hi, uint32_t dim,
+                              size_t n, uint32_t k, enum KvswapStatus want, const char *substr) {
+    int32_t out[8];
+    fill_i32(out, 8, FM_SENTINEL);
+    /* k above 8 is refused before `out` is used; bounds_topk_on copies k entries. */
+    CHECK_AT(line, k <= 8 || want != KVSWAP_STATUS_OK);
+    enum KvswapStatus st = k <= 8 ? bounds_topk_on(device, q, lo, hi, dim, n, k, out)
+                                  : fm_bounds_topk(device, q, lo, hi, dim, n, k, out, device < 0 ? NULL : dm_stream());
+    if (st != want) FAIL_AT(line, "fm_bounds_topk returned %s, expected %s", sname(st), sname(want));
+    CHECK_MSG_AT(line, substr);
+    CHECK_MSG_AT(line, "fm_bounds_topk");
+    check_all_at(line, "refused fm_bounds_topk", out, 8, FM_SENTINEL);
+}
+#define bounds_refused(device, q, lo, hi, dim, n, k, want, substr) \
+    bounds_refused_at(__LINE__, device, q, lo, hi, dim, n, k, want, substr)
+
+static void test_fm_bounds(void) {
+    const uint32_t dim = 128, ct = 16;
+    const size_t tokens = 1000, nc = (tokens + ct - 1) / ct; /* 63 chunks, the last of 8 tokens */
+    float *q = random_hidden(dim);
+    float *lo = NULL, *hi = NULL;
+
+    /* fm_bounds_build: every key type, a strided one. */
+    HKeys kf = hkeys_random(FM_KEYS_F32, tokens, dim, 0, false);
+    HKeys kb = hkeys_random(FM_KEYS_BF16, tokens, dim, (size_t)dim * 2 + 64, false);
+    HKeys k8 = hkeys_random(FM_KEYS_FP8_E4M3, tokens, dim, 0, false);
+    const HKeys *all[3] = {&kb, &k8, &kf};
+    for (int i = 0; i < 3; i++) {
+        bounds_build_check(all[i], ct, &lo, &hi);
+        /* The CPU bounds scorer: exactly the reference. */
+        bounds_vs_ref("bounds, k 8", -1, q, lo, hi, dim, nc, 8);
+        bounds_vs_ref("bounds, k = n", -1, q, lo, hi, dim, nc, (uint32_t)nc);
+        bounds_vs_ref("bounds, k 70 > n", -1, q, lo, hi, dim, nc, 70);
+        if (dm_is_cuda()) {
+            bounds_vs_ref("CUDA bounds, k 8", 0, q, lo, hi, dim, nc, 8);
+            bounds_vs_ref("CUDA bounds, k 70 > n", 0, q, lo, hi, dim, nc, 70);
+        }
+        if (i < 2) {
+            free(lo);
+            free(hi);
+        }
+    }
+    /* One token per chunk (the bounds are the keys) and a chunk as long as everything. */
+    {
+        float *l1, *h1;
+        bounds_build_check(&kb, 1, &l1, &h1);
+        bounds_vs_ref("bounds of single tokens", -1, q, l1, h1, dim, tokens, 32);
+        if (dm_is_cuda()) bounds_vs_ref("CUDA bounds of single tokens", 0, q, l1, h1, dim, tokens, 32);
+        free(l1);
+        free(h1);
+        bounds_build_check(&kf, (uint32_t)tokens * 2, &l1, &h1);
+        free(l1);
+        free(h1);
+    }
+    /* Ties: every chunk the same -> 0..k-1. */
+    {
+        float *tl = (float *)malloc(nc * dim * sizeof(float)), *th = (float *)malloc(nc * dim * sizeof(float));
+        CHECK(tl && th);
+        for (size_t c = 0; c < nc; c++) {
+            memcpy(tl + c * dim, lo, dim * sizeof(float));
+            memcpy(th + c * dim, hi, dim * sizeof(float));
+        }
+        int32_t out[80];
+        for (int dev = -1; dev <= (dm_is_cuda() ? 0 : -1); dev++) {
+            fill_i32(out, 80, FM_SENTINEL);
+            CHECK_OK(bounds_topk_on(dev, q, tl, th, dim, nc, 10, out));
+            for (int32_t i = 0; i < 10; i++) CHECK_EQ(out[i], i);
+            CHECK_OK(bounds_topk_on(dev, q, tl, th, dim, nc, 80, out));
+            for (int32_t i = 0; i < 80; i++) CHECK_EQ(out[i], i < (int32_t)nc ? i : -1);
+        }
+        free(tl);
+        free(th);
+    }
+    group_done(dm_is_cuda() ? "fm_bounds_build (f32, strided bf16: exact; fp8 x scale: nearest f32 outside) + "
+                              "fm_bounds_topk on the CPU (exactly the double-precision reference) and on CUDA (within "
+                              "the f32 error bound); ties -> 0..k-1; -1 padding"
+                            : "fm_bounds_build (f32, strided bf16: exact; fp8 x scale: nearest f32 outside) + "
+                              "fm_bounds_topk (exactly the double-precision reference, ties -> 0..k-1, -1 padding)");
+
+    /* fm_bounds_topk refusals (lo/hi: the bounds of kf, nc chunks). */
+    for (int dev = -1; dev <= (dm_is_cuda() ? 0 : -1); dev++) {
+        bounds_refused(dev, q, lo, hi, dim, nc, 0, KVSWAP_STATUS_INVALID_ARGUMENT, "k is 0");
+        bounds_refused(dev, q, lo, hi, dim, nc, FM_MAX_TOPK + 1, KVSWAP_STATUS_OUT_OF_RANGE, "FM_MAX_TOPK");
+        bounds_refused(dev, q, lo, hi, 0, nc, 8, KVSWAP_STATUS_INVALID_ARGUMENT, "dim = 0");
+        bounds_refused(dev, q, lo, hi, dim, 0, 8, KVSWAP_STATUS_INVALID_ARGUMENT, "n_chunks is 0");
+    }
+    int32_t out[8];
+    CHECK_ERR(fm_bounds_topk(-1, q, lo, hi, 65537, 1, 8, out, NULL), KVSWAP_STATUS_INVALID_ARGUMENT, "dim = 65537");
+    CHECK_ERR(fm_bounds_topk(-2, q, lo, hi, dim, nc, 8, out, NULL), KVSWAP_STATUS_INVALID_ARGUMENT, "device = -2");
+    CHECK_ERR(fm_bounds_topk(-1, NULL, lo, hi, dim, nc, 8, out, NULL), KVSWAP_STATUS_NULL_POINTER, "query");
+    CHECK_ERR(fm_bounds_topk(-1, q, NULL, hi, dim, nc, 8, out, NULL), KVSWAP_STATUS_NULL_POINTER, "bounds_min");
+    CHECK_ERR(fm_bounds_topk(-1, q, lo, NULL, dim, nc, 8, out, NULL), KVSWAP_STATUS_NULL_POINTER, "bounds_max");
+    CHECK_ERR(fm_bounds_topk(-1, q, lo, hi, dim, nc, 8, NULL, NULL), KVSWAP_STATUS_NULL_POINTER, "out_indices");
+    if (!dm_driver_present()) {
+        CHECK_ERR(fm_bounds_topk(0, q, lo, hi, dim, nc, 8, out, NULL), KVSWAP_STATUS_NO_DEVICE, "CUDA");
+        CHECK_MSG("fm_bounds_topk");
+    }
+    /* Values: NaN query, Inf bound, min above max (the CPU checks them all first). */
+    float *q_bad = (float *)malloc(dim * sizeof(float)), *lo_bad = (float *)malloc(nc * dim * sizeof(float));
+    CHECK(q_bad && lo_bad);
+    memcpy(q_bad, q, dim * sizeof(float));
+    q_bad[3] = f32_of_bits(0x7FC00000u);
+    bounds_refused(-1, q_bad, lo, hi, dim, nc, 8, KVSWAP_STATUS_INVALID_ARGUMENT, "query: element 3");
+    memcpy(lo_bad, lo, nc * dim * sizeof(float));
+    lo_bad[5 * dim + 9] = hi[5 * dim + 9] + 1.0f;
+    bounds_refused(-1, q, lo_bad, hi, dim, nc, 8, KVSWAP_STATUS_INVALID_ARGUMENT, "chunk 5, element 9");
+    memcpy(lo_bad, lo, nc * dim * sizeof(float));
+    lo_bad[7 * dim + 2] = f32_of_bits(0xFF800000u);
+    bounds_refused(-1, q, lo_bad, hi, dim, nc, 8, KVSWAP_STATUS_INVALID_ARGUMENT, "bounds_min: chunk 7, element 2");
+    if (dm_is_cuda()) {
+        /* CUDA: host pointers refused; a NaN query makes every score NaN:
+         * INVALID_ARGUMENT with the top-k written as -1. */
+        void *dq = dev_copy(q, dim * sizeof(float));
+        void *dlo = dev_copy(lo, nc * dim * sizeof(float)), *dhi = dev_copy(hi, nc * dim * sizeof(float));
+        int32_t *dout = (int32_t *)dm_alloc(8 * sizeof(int32_t));
+        CHECK_ERR(fm_bounds_topk(0, q, (const float *)dlo, (const float *)dhi, dim, nc, 8, dout, dm_stream()),
+                  KVSWAP_STATUS_INVALID_ARGUMENT, "not CUDA memory");
+        CHECK_MSG("query");
+        CHECK_ERR(fm_bounds_topk(0, (const float *)dq, (const float *)dlo, (const float *)dhi, dim, nc, 8, out, dm_stream()),
+                  KVSWAP_STATUS_INVALID_ARGUMENT, "not CUDA memory");
+        CHECK_MSG("out_indices");
+        CHECK_ERR(fm_bounds_topk(0, (const float *)dq, (const float *)dlo, (const float *)dhi, dim, nc, 8, dout, NULL),
+                  KVSWAP_STATUS_INVALID_ARGUMENT, "legacy default stream");
+        dm_free(dq);
+        dm_free(dlo);
+        dm_free(dhi);
+        dm_free(dout);
+        fill_i32(out, 8, FM_SENTINEL);
+        CHECK_ERR(bounds_topk_on(0, q_bad, lo, hi, dim, nc, 8, out), KVSWAP_STATUS_INVALID_ARGUMENT, "non-finite");
+        check_all("CUDA bounds with a NaN query", out, 8, -1);
+        bounds_vs_ref("CUDA bounds after a NaN query", 0, q, lo, hi, dim, nc, 8);
+    }
+
+    /* fm_bounds_build refusals: outputs untouched. */
+    {
+        float *l2 = (float *)malloc(nc * dim * sizeof(float)), *h2 = (float *)malloc(nc * dim * sizeof(float));
+        CHECK(l2 && h2);
+        for (size_t i = 0; i < nc * dim; i++) l2[i] = h2[i] = 777.0f;
+        FmKeys fk = fmkeys_of(kf.data, NULL, &kf);
+        CHECK_ERR(fm_bounds_build(NULL, tokens, dim, ct, l2, h2), KVSWAP_STATUS_NULL_POINTER, "keys");
+        CHECK_MSG("fm_bounds_build");
+        CHECK_ERR(fm_bounds_build(&fk, tokens, dim, ct, NULL, h2), KVSWAP_STATUS_NULL_POINTER, "out_min");
+        CHECK_ERR(fm_bounds_build(&fk, tokens, dim, ct, l2, NULL), KVSWAP_STATUS_NULL_POINTER, "out_max");
+        CHECK_ERR(fm_bounds_build(&fk, 0, dim, ct, l2, h2), KVSWAP_STATUS_INVALID_ARGUMENT, "n_tokens = 0");
+        CHECK_ERR(fm_bounds_build(&fk, tokens, dim, 0, l2, h2), KVSWAP_STATUS_INVALID_ARGUMENT, "chunk_tokens = 0");
+        CHECK_ERR(fm_bounds_build(&fk, tokens, 0, ct, l2, h2), KVSWAP_STATUS_INVALID_ARGUMENT, "dim = 0");
+        CHECK_ERR(fm_bounds_build(&fk, 1, 65537, ct, l2, h2), KVSWAP_STATUS_INVALID_ARGUMENT, "dim = 65537");
+        FmKeys f2 = fk;
+        f2.dtype = 9;
+        CHECK_ERR(fm_bounds_build(&f2, tokens, dim, ct, l2, h2), KVSWAP_STATUS_INVALID_ARGUMENT, "keys.dtype = 9");
+        f2 = fmkeys_of(k8.data, NULL, &k8);
+        CHECK_ERR(fm_bounds_build(&f2, tokens, dim, ct, l2, h2), KVSWAP_STATUS_NULL_POINTER, "keys.scales");
+        f2 = fk;
+        f2.row_stride_bytes = 4 * dim - 4;
+        CHECK_ERR(fm_bounds_build(&f2, tokens, dim, ct, l2, h2), KVSWAP_STATUS_INVALID_ARGUMENT, "row_stride_bytes");
+        HKeys kn = hkeys_convert(&kf, FM_KEYS_F32, 0);
+        float nan = f32_of_bits(0x7FC00000u);
+        memcpy(hkeys_at(&kn, 17, 3), &nan, 4);
+        FmKeys fn = fmkeys_of(kn.data, NULL, &kn);
+        CHECK_ERR(fm_bounds_build(&fn, tokens, dim, ct, l2, h2), KVSWAP_STATUS_INVALID_ARGUMENT, "token 17, element 3");
+        HKeys k8n = hkeys_random(FM_KEYS_FP8_E4M3, 40, dim, 0, false);
+        k8n.scales[33] = f32_of_bits(0x7F800000u);
+        FmKeys f8 = fmkeys_of(k8n.data, k8n.scales, &k8n);
+        CHECK_ERR(fm_bounds_build(&f8, 40, dim, ct, l2, h2), KVSWAP_STATUS_INVALID_ARGUMENT, "scale of token 33");
+        for (size_t i = 0; i < nc * dim; i++) CHECK(l2[i] == 777.0f && h2[i] == 777.0f);
+        hkeys_free(&kn);
+        hkeys_free(&k8n);
+        free(l2);
+        free(h2);
+    }
+    fm_scorer_free(NULL); /* a no-op */
+    group_done("fm_bounds_topk / fm_bounds_build refusals: k 0 / 2049, dim 0 / 65537, n_chunks 0, n_tokens 0, "
+               "chunk_tokens 0, device -2, NULL pointers, bad dtype / stride / scales, NaN query, Inf bound, "
+               "min > max, NaN key, Inf scale: named, outputs untouched; fm_scorer_free(NULL)");
+    free(q_bad);
+    free(lo_bad);
+    free(lo);
+    free(hi);
+    free(q);
+    hkeys_free(&kf);
+    hkeys_free(&kb);
+    hkeys_free(&k8);
+}
+
+/* The scorer groups. Returns false when they were skipped (no checkpoint). */
+static bool test_fm_scorer(void) {
+    test_fm_bounds(); /* needs no checkpoint */
+    const char *ckpt = getenv("KVSWAP_TEST_FM_CKPT");
+    if (!ckpt || !ckpt[0]) {
+        const char *req = getenv("KVSWAP_TEST_REQUIRE_FM_CKPT");
+        fprintf(stderr,
+                "\n"
+                "**********************************************************************\n"
+                "* NOTE: KVSWAP_TEST_FM_CKPT is not set: the FlashMemory scorer group *\n"
+                "* (fm_scorer_load, fm_score_topk, fm_score_topk_batch, ...) is       *\n"
+                "* SKIPPED. Make a checkpoint and name it, e.g.                       *\n"
+                "*   kvswap fm init --hidden 64 --heads 16 --head-dim 64 --scorers 2 \\ *\n"
+                "*     --dtype bf16 --seed 7 --out /tmp/fm.safetensors                *\n"
+                "*   KVSWAP_TEST_FM_CKPT=/tmp/fm.safetensors ./test_abi               *\n"
+                "**********************************************************************\n\n");
+        fflush(stderr);
+        printf("SKIP fm scorer: KVSWAP_TEST_FM_CKPT is not set\n");
+        fflush(stdout);
+        if (req && strcmp(req, "1") == 0) FAIL("KVSWAP_TEST_REQUIRE_FM_CKPT=1, but KVSWAP_TEST_FM_CKPT is not set");
+        return false;
+    }
+    test_fm_load_errors(ckpt);
+    test_fm_scoring(ckpt);
+    return true;
+}
+
 int main(void) {
+    dm_init(); /* KVSWAP_TEST_BACKEND: cpu (default) or cuda */
+    printf("backend: %s\n", dm_backend_name());
     /* Nothing failed yet on this thread. */
     CHECK(kvswap_last_error() != NULL);
     CHECK(strcmp(kvswap_last_error(), "") == 0);
@@ -1430,8 +3386,24 @@ int main(void) {
     test_async();
     test_disabled();
     test_validate();
+    test_streams_and_pointers();
+    /* Last: refusals on paths where a mistake could leave the device (or
+     * the CUDA context) in a bad state, so that a failure there cannot hide
+     * the result of another group. */
+    test_validate_refused();
+    test_legacy_stream_fresh_layer();
+    /* The FlashMemory scorer (KVSWAP_TEST_FM_CKPT names its checkpoint). */
+    bool fm_ran = test_fm_scorer();
 
     CHECK_OK(kvswap_set_log_callback(NULL, NULL));
-    printf("test_abi (C11): all groups passed\n");
+    scratch_release(&g_idx);
+    scratch_release(&g_src);
+    dm_fini();
+    if (fm_ran)
+        printf("test_abi (C11, %s backend): all groups passed\n", dm_backend_name());
+    else
+        printf("test_abi (C11, %s backend): all groups run passed, but the FlashMemory scorer group was SKIPPED "
+               "(KVSWAP_TEST_FM_CKPT is not set)\n",
+               dm_backend_name());
     return 0;
 }

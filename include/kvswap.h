@@ -372,8 +372,13 @@ enum KvswapStatus kvswap_set_log_level(uint32_t level);
 
 // Loads a FlashMemory checkpoint (safetensors, format `flashmemory-v1`)
 // and writes a scorer handle to `*out`. `device` -1 scores on the CPU
-// (the reference); a CUDA ordinal >= 0 gives `KVSWAP_STATUS_NO_DEVICE` while
-// no CUDA scorer backend is available.
+// (the reference); a CUDA ordinal >= 0 uploads the weights to that GPU (as
+// stored: bf16 stays bf16) and compiles the kernels for it
+// (`KVSWAP_STATUS_NO_DEVICE` without a driver or device;
+// `KVSWAP_STATUS_UNSUPPORTED` for a shape the CUDA kernels do not take:
+// head_dim 64/128/192/256, n_heads a multiple of 8 (of 64 above 64), hidden
+// a multiple of 8). On CUDA, `KVSWAP_SYNC` (default 1) decides whether
+// scoring calls wait for their own errors (see `fm_scorer_sync`).
 // Errors: `KVSWAP_STATUS_IO` for a missing or unreadable file;
 // `KVSWAP_STATUS_BAD_CHECKPOINT` for a wrong format tag, a missing or
 // malformed metadata field, a missing or mis-shaped tensor, an unsupported
@@ -416,6 +421,10 @@ enum KvswapStatus fm_scorer_set_ensemble(struct FmScorer *scorer, KvswapEnsemble
 // FM_MAX_TOPK (2048); other values are KVSWAP_STATUS_INVALID_ARGUMENT (0)
 // or KVSWAP_STATUS_OUT_OF_RANGE (above the limit). A NaN or Inf in `hidden`, the keys or the scales is
 // `KVSWAP_STATUS_INVALID_ARGUMENT` naming the scorer/chunk and position.
+// On the CUDA backend the values are checked on the device: the top-k is
+// then written as -1 and the error is returned by this call with
+// `KVSWAP_SYNC=1`, or by `fm_scorer_sync` with `KVSWAP_SYNC=0` (until then
+// later calls on that stream also write -1).
 //
 // `out_indices` may point into the index buffer of
 // `kvswap_swap_in_selected`: with `out_indices = indices + window_len` and
@@ -438,6 +447,9 @@ enum KvswapStatus fm_score_topk(const struct FmScorer *scorer,
 // (4096).
 // Every sequence is checked before any is scored, and on failure no
 // `out_indices` is written; the message names the sequence (`seqs[i]`).
+// On the CUDA backend NaN/Inf values are found on the device instead: the
+// outputs of the affected launch (up to 64 sequences of one key dtype) are
+// written as -1 and the error names the chunk, as for `fm_score_topk`.
 // The weights are read once for the whole batch (on CUDA the projections
 // of all sequences are one matrix product), so a batch is cheaper than
 // `n_seqs` single calls. `seqs` itself is host memory on every backend.
@@ -457,8 +469,9 @@ enum KvswapStatus fm_score_topk_batch(const struct FmScorer *scorer,
 // a narrower type would have to be rounded outwards to stay a bound.
 // NaN/Inf values, or a minimum above its maximum, are
 // `KVSWAP_STATUS_INVALID_ARGUMENT`. `device` -1 runs on the CPU (host
-// pointers, `stream` ignored); a CUDA ordinal gives
-// `KVSWAP_STATUS_NO_DEVICE` while no CUDA scorer backend is available.
+// pointers, `stream` ignored); a CUDA ordinal runs on that GPU (device
+// pointers, the engine's stream; values are checked on the device as for
+// `fm_score_topk`).
 enum KvswapStatus fm_bounds_topk(int32_t device,
                                  const float *query,
                                  const float *bounds_min,

@@ -47,6 +47,7 @@ typedef unsigned char u8;
 // Error codes recorded on the device (first error wins).
 #define FM_ERR_HIDDEN 1u    // non-finite hidden state: info = scorer, position
 #define FM_ERR_SCORE 2u     // non-finite score (non-finite key, or overflow): info = chunk
+#define FM_ERR_BOUNDS 3u    // bounds of a chunk with min > max or non-finite: info = chunk
 
 // ------------------------------------------------------------------ helpers
 
@@ -560,9 +561,8 @@ fm_score(ScoreBatch B, u32* err) {
                 for (u32 nt = 0; nt < FM_WHEADS / 8; ++nt) {
 #pragma unroll
                     for (u32 j = 0; j < 2; ++j) {
-                        const float d = acc[m][nt][half * 2 + j];
-                        finite &= isfinite(d);
-                        const float x = d * scale;
+                        const float x = acc[m][nt][half * 2 + j] * scale;
+                        finite &= isfinite(x);  // a non-finite key, scale or overflow
                         s = fmaf(wv[nt][j], x > 0.f ? x : 0.f, s);
                     }
                 }
@@ -863,9 +863,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg(ScoreBat
                 for (u32 j = sc * (FM_HEADS / 8); j < (sc + 1) * (FM_HEADS / 8); ++j) {
 #pragma unroll
                     for (u32 e = 0; e < 2; ++e) {
-                        const float v = d[4 * j + 2 * half + e];
-                        finite &= isfinite(v);
-                        const float x = v * scale;
+                        const float x = d[4 * j + 2 * half + e] * scale;
+                        finite &= isfinite(x);  // a non-finite key, scale or overflow
                         si = fmaf(wv[j][e], x > 0.f ? x : 0.f, si);
                     }
                 }
@@ -914,11 +913,19 @@ extern "C" __global__ void fm_bounds_score(const float* q, const float* bmin, co
         const float* lo = bmin + (u64)c * dim;
         const float* hi = bmax + (u64)c * dim;
         float s = 0.f;
-        for (u32 d = lane; d < dim; d += 32) s += fmaxf(q[d] * lo[d], q[d] * hi[d]);
+        bool ok = true;
+        for (u32 d = lane; d < dim; d += 32) {
+            ok &= lo[d] <= hi[d] && isfinite(lo[d]) && isfinite(hi[d]);  // also false for NaN
+            s += fmaxf(q[d] * lo[d], q[d] * hi[d]);
+        }
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(FM_FULL, s, off);
+        ok = __all_sync(FM_FULL, ok);
         if (lane == 0) {
-            if (!isfinite(s)) {
+            if (!ok) {
+                record_error(err, FM_ERR_BOUNDS, c, 0);
+                s = -3.0e38f;
+            } else if (!isfinite(s)) {
                 record_error(err, FM_ERR_SCORE, c, 0);
                 s = -3.0e38f;
             }

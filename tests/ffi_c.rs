@@ -1,6 +1,20 @@
 //! Runs the C11 and C++17 programs of `ffi-tests/` against the cdylib that
 //! this very `cargo test` built: plainly, under ASan+UBSan, and under
-//! valgrind. Each test uses its own build directory so they run in parallel.
+//! valgrind, all on the CPU backend. Each test uses its own build directory
+//! so they run in parallel.
+//!
+//! The same programs run on the CUDA backend with `KVSWAP_TEST_BACKEND=cuda`
+//! (`make -C ffi-tests test-cuda`, or `.ci/gpu-run.sh` on a GPU machine).
+//! Here, `cuda_run_without_driver_fails_cleanly` checks that such a run on
+//! a machine without the NVIDIA driver stops with a clear message and a
+//! non-zero exit status instead of crashing (and, on a machine with a GPU,
+//! that it passes).
+//!
+//! The FlashMemory scorer groups of the programs need a checkpoint, which
+//! they never make themselves: [`fm_checkpoint`] writes a small seeded one
+//! with this build's `kvswap fm init` and every run gets its path in
+//! `KVSWAP_TEST_FM_CKPT` (with `KVSWAP_TEST_REQUIRE_FM_CKPT=1`, so a run
+//! here can never skip them); the logs are checked for those groups too.
 //!
 //! Where the cdylib is: `cargo test` builds the library with every crate type
 //! it declares (`cdylib` and `rlib`), but leaves `libkvswap.so` in
@@ -12,6 +26,7 @@
 //! separate target directory (the outer cargo holds the lock on this one).
 
 use std::fs::File;
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -68,19 +83,76 @@ fn build_cdylib_elsewhere() -> PathBuf {
     .clone()
 }
 
-/// Runs `make -C ffi-tests <target>` with its own BUILD directory, stdout and
-/// stderr interleaved into one log; panics with the whole log on failure.
-fn run_make(target: &str) {
-    let lib = lib_dir();
-    // CARGO_TARGET_TMPDIR is shared by every profile: keep their builds apart.
+/// The cargo profile directory this test runs from (`debug`, `release`, ...):
+/// CARGO_TARGET_TMPDIR is shared by every profile, so keep their files apart.
+fn profile() -> String {
     let exe = std::env::current_exe().expect("current_exe");
-    let profile = exe
-        .parent()
+    exe.parent()
         .and_then(Path::parent)
         .and_then(Path::file_name)
         .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "unknown".into());
-    let build = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ffi-{profile}-{target}"));
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// The flags of the checkpoint the C and C++ programs expect (see the
+/// comment at the top of ffi-tests/Makefile).
+const FM_INIT_ARGS: [&str; 12] =
+    ["--hidden", "64", "--heads", "16", "--head-dim", "64", "--scorers", "2", "--dtype", "bf16", "--seed", "7"];
+
+/// A small seeded scorer checkpoint, written once per test process with the
+/// `kvswap` CLI of this build (to a temporary name, then renamed, so a
+/// concurrent `cargo test` of the same profile never reads half a file).
+fn fm_checkpoint() -> PathBuf {
+    static ONCE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    ONCE.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ffi-{}-fm", profile()));
+        std::fs::create_dir_all(&dir).expect("create checkpoint directory");
+        let tmp = dir.join(format!("fm.{}.tmp", std::process::id()));
+        let out = Command::new(env!("CARGO_BIN_EXE_kvswap"))
+            .args(["fm", "init"])
+            .args(FM_INIT_ARGS)
+            .arg("--out")
+            .arg(&tmp)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run kvswap fm init");
+        assert!(
+            out.status.success() && tmp.is_file(),
+            "kvswap fm init {} --out {} failed ({}):\n{}{}",
+            FM_INIT_ARGS.join(" "),
+            tmp.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let path = dir.join("fm.safetensors");
+        std::fs::rename(&tmp, &path).expect("rename the checkpoint");
+        path
+    })
+    .clone()
+}
+
+/// The scorer groups ran (not skipped) in the output of the C and C++ programs.
+fn assert_scorer_groups_ran(target: &str, output: &str) {
+    for line in [
+        "ok   fm_scorer_load:",
+        "ok   fm_score_topk:",
+        "ok   fm_score_topk_batch:",
+        "ok   fm_bounds_build",
+        "ok   C++: fm_scorer_load",
+    ] {
+        assert!(output.contains(line), "`make {target}`: no line \"{line}\" in its output:\n{output}");
+    }
+    assert!(!output.contains("SKIPPED"), "`make {target}`: the scorer groups were skipped:\n{output}");
+}
+
+/// Runs `make -C ffi-tests <target>` with its own BUILD directory, stdout and
+/// stderr interleaved into one log; panics with the whole log on failure.
+/// Returns the BUILD directory and the log.
+fn run_make(target: &str) -> (PathBuf, String) {
+    let lib = lib_dir();
+    let ckpt = fm_checkpoint();
+    let build = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ffi-{}-{target}", profile()));
     std::fs::create_dir_all(&build).expect("create build directory");
     let log_path = build.join("make.log");
     let log = File::create(&log_path).expect("create make.log");
@@ -90,6 +162,8 @@ fn run_make(target: &str) {
         .arg(target)
         .arg(format!("LIBDIR={}", lib.display()))
         .arg(format!("BUILD={}", build.display()))
+        .env("KVSWAP_TEST_FM_CKPT", &ckpt)
+        .env("KVSWAP_TEST_REQUIRE_FM_CKPT", "1")
         .stdin(Stdio::null())
         .stdout(log.try_clone().expect("clone log handle"))
         .stderr(log)
@@ -109,6 +183,7 @@ fn run_make(target: &str) {
             println!("`make -C ffi-tests {target}` with LIBDIR={}:\n{output}", lib.display());
         }
     }
+    (build, output)
 }
 
 /// The C ABI functions `include/kvswap.h` declares (`kvswap_*`, `fm_*`).
@@ -140,12 +215,14 @@ fn c_and_cpp_programs() {
         missing.is_empty(),
         "ffi-tests/test_abi.c does not call these functions of include/kvswap.h: {missing:?}; add them to the C test"
     );
-    run_make("test");
+    let (_, output) = run_make("test");
+    assert_scorer_groups_ran("test", &output);
 }
 
 #[test]
 fn c_and_cpp_under_asan_ubsan() {
-    run_make("sanitize");
+    let (_, output) = run_make("sanitize");
+    assert_scorer_groups_ran("sanitize", &output);
 }
 
 #[test]
@@ -175,5 +252,63 @@ fn c_and_cpp_under_valgrind() {
         );
         return;
     }
-    run_make("valgrind");
+    let (_, output) = run_make("valgrind");
+    assert_scorer_groups_ran("valgrind", &output);
+}
+
+/// `KVSWAP_TEST_BACKEND=cuda` on a machine without libcuda.so.1: each program
+/// exits non-zero (not by a signal) saying it cannot load the driver. Where
+/// the driver is installed the CUDA run must pass instead. A bad backend name
+/// exits with status 2.
+#[test]
+fn cuda_run_without_driver_fails_cleanly() {
+    let (build, _) = run_make("build");
+    let lib = lib_dir();
+    let ckpt = fm_checkpoint();
+    let ld_path = match std::env::var_os("LD_LIBRARY_PATH") {
+        Some(p) if !p.is_empty() => {
+            let mut v = lib.clone().into_os_string();
+            v.push(":");
+            v.push(p);
+            v
+        }
+        _ => lib.clone().into_os_string(),
+    };
+    for prog in ["test_abi", "test_abi_cpp"] {
+        let exe = build.join(prog);
+        let run = |backend: &str| {
+            Command::new(&exe)
+                .env("KVSWAP_TEST_BACKEND", backend)
+                .env("LD_LIBRARY_PATH", &ld_path)
+                .env("KVSWAP_TEST_FM_CKPT", &ckpt)
+                .env("KVSWAP_TEST_REQUIRE_FM_CKPT", "1")
+                .stdin(Stdio::null())
+                .output()
+                .unwrap_or_else(|e| panic!("run {}: {e}", exe.display()))
+        };
+        let out = run("cuda");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        if let Some(sig) = out.status.signal() {
+            panic!("{prog} with KVSWAP_TEST_BACKEND=cuda was killed by signal {sig}; its output:\n{text}");
+        }
+        if out.status.success() {
+            // A machine with a GPU: the CUDA run itself passed.
+            assert!(text.contains("backend: cuda"), "{prog} passed but did not run on CUDA:\n{text}");
+            assert!(text.contains("all groups passed") && !text.contains("SKIPPED"), "{prog}:\n{text}");
+            println!("{prog}: the CUDA run passed on this machine");
+        } else {
+            assert!(
+                text.contains("cannot load libcuda.so.1"),
+                "{prog} with KVSWAP_TEST_BACKEND=cuda failed ({}) without saying it cannot load libcuda.so.1 \
+                 (a real CUDA failure, if this machine has a GPU); its output:\n{text}",
+                out.status
+            );
+            assert_eq!(out.status.code(), Some(1), "{prog}: {text}");
+            assert!(!text.contains("all groups passed"), "{prog}: {text}");
+        }
+        let out = run("tpu");
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{prog} with KVSWAP_TEST_BACKEND=tpu: {}", out.status);
+        assert!(text.contains("KVSWAP_TEST_BACKEND=tpu"), "{prog}: {text}");
+    }
 }

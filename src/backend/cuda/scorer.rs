@@ -30,6 +30,7 @@ const PROJECT_SMEM: [u32; 3] = [4096 * 4, 8 * 1024 * 4, 64 * 256 * 4];
 const PROJECT_ROWS: u32 = 16;
 const ERR_HIDDEN: u32 = 1;
 const ERR_SCORE: u32 = 2;
+const ERR_BOUNDS: u32 = 3;
 
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -155,6 +156,10 @@ impl Workspace {
                 "chunk {} (sequence {}): non-finite score (a NaN or infinite key or scale, or an f32 overflow); \
                  the top-k was written as -1",
                 e[1], e[2]
+            )),
+            ERR_BOUNDS => Error::invalid(format!(
+                "bounds of chunk {}: a minimum above its maximum, or a NaN or infinite bound; the top-k was written as -1",
+                e[1]
             )),
             c => Error::device(format!("scorer: unknown device error code {c}")),
         })
@@ -346,8 +351,8 @@ impl CudaScorer {
             "kvswap: fm scorer on cuda device={} scorers={s} heads={h} head_dim={d} hidden={hidden} weights={} ({:.1} MB) kernel={} sync={}",
             dev.ordinal,
             tag,
-            if wgmma { "wgmma" } else { "mma.sync" },
             image.len() as f64 / 1e6,
+            if wgmma { "wgmma" } else { "mma.sync" },
             sync as u8
         );
         Ok(CudaScorer {
