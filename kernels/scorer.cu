@@ -18,11 +18,6 @@
 //                  order, -1 padded. The histograms and counters are left
 //                  zeroed for the next call (graph replay needs no memset).
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef int i32;
-typedef unsigned short u16;
-typedef unsigned char u8;
 
 #ifndef FM_SCORERS
 #define FM_SCORERS 3
@@ -37,7 +32,6 @@ typedef unsigned char u8;
 #define FM_QROWS (FM_SCORERS * FM_HEADS)
 #define FM_HIST_BITS 12
 #define FM_HIST (1u << FM_HIST_BITS)
-#define FM_FULL 0xFFFFFFFFu
 
 // Key dtypes (FM_KEYS_* in the C header).
 #define FM_KEYS_F32 0u
@@ -106,55 +100,8 @@ __device__ __forceinline__ u32 sort_key(float f) {
 // atomics serialise. Every lane of the warp must call it.
 __device__ __forceinline__ void hist_add(u32* hist, u32 bin, bool valid) {
     const u32 key = valid ? bin : 0xFFFFFFFFu;
-    const u32 peers = __match_any_sync(FM_FULL, key);
+    const u32 peers = __match_any_sync(KVS_FULL_MASK, key);
     if (valid && (threadIdx.x & 31u) == (u32)(__ffs(peers) - 1)) atomicAdd(&hist[bin], (u32)__popc(peers));
-}
-
-__device__ __forceinline__ void record_error(u32* err, u32 code, u32 a, u32 b) {
-    if (atomicCAS(&err[0], 0u, code) == 0u) {
-        err[1] = a;
-        err[2] = b;
-    }
-}
-
-__device__ u32 block_exclusive_sum(u32 v, u32* total) {
-    __shared__ u32 warp_sums[32];
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    const u32 nwarps = (blockDim.x + 31u) >> 5;
-    u32 x = v;
-#pragma unroll
-    for (u32 off = 1; off < 32; off <<= 1) {
-        u32 y = __shfl_up_sync(FM_FULL, x, off);
-        if (lane >= off) x += y;
-    }
-    if (lane == 31u) warp_sums[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-        u32 t = lane < nwarps ? warp_sums[lane] : 0u;
-#pragma unroll
-        for (u32 off = 1; off < 32; off <<= 1) {
-            u32 y = __shfl_up_sync(FM_FULL, t, off);
-            if (lane >= off) t += y;
-        }
-        warp_sums[lane] = t;
-    }
-    __syncthreads();
-    const u32 base = warp > 0 ? warp_sums[warp - 1] : 0u;
-    *total = warp_sums[nwarps - 1];
-    __syncthreads();
-    return base + x - v;
-}
-
-__device__ __forceinline__ void allow_dependents() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wait_prerequisites() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
 }
 
 // ------------------------------------------------------------ projections
@@ -290,7 +237,7 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
         if (b >= B.n) break;
         float s = acc[b];
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(FM_FULL, s, off);
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(KVS_FULL_MASK, s, off);
         if (lane == 0) {
             if (row < QR) B.seq[b].q[(u64)scorer * QR + row] = f32_to_bf16(s);
             else B.seq[b].w[scorer * FM_HEADS + (row - QR)] = s;
@@ -566,8 +513,8 @@ fm_score(ScoreBatch B, u32* err) {
                         s = fmaf(wv[nt][j], x > 0.f ? x : 0.f, s);
                     }
                 }
-                s += __shfl_xor_sync(FM_FULL, s, 1);
-                s += __shfl_xor_sync(FM_FULL, s, 2);
+                s += __shfl_xor_sync(KVS_FULL_MASK, s, 1);
+                s += __shfl_xor_sync(KVS_FULL_MASK, s, 2);
                 if ((lane & 3u) == 0) sh_part[sh_idx * FM_TILE + row] = s;
                 if (!finite && chunk < S.n) {
                     bad = true;
@@ -580,7 +527,7 @@ fm_score(ScoreBatch B, u32* err) {
             const u32 row = row0 + threadIdx.x;
             const u32 chunk = c0 + row;
             const bool valid = row < FM_TILE && chunk < S.n;
-            if (!__any_sync(FM_FULL, valid)) continue;
+            if (!__any_sync(KVS_FULL_MASK, valid)) continue;
             float ens = 0.f;
 #pragma unroll
             for (u32 i = 0; i < FM_SCORERS; ++i) {
@@ -868,8 +815,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg(ScoreBat
                         si = fmaf(wv[j][e], x > 0.f ? x : 0.f, si);
                     }
                 }
-                si += __shfl_xor_sync(FM_FULL, si, 1);
-                si += __shfl_xor_sync(FM_FULL, si, 2);
+                si += __shfl_xor_sync(KVS_FULL_MASK, si, 1);
+                si += __shfl_xor_sync(KVS_FULL_MASK, si, 2);
                 ens = B.mean ? ens + si : (sc == 0 ? si : fmaxf(ens, si));
             }
             if (B.mean) ens *= 1.f / FM_SCORERS;
@@ -919,8 +866,8 @@ extern "C" __global__ void fm_bounds_score(const float* q, const float* bmin, co
             s += fmaxf(q[d] * lo[d], q[d] * hi[d]);
         }
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(FM_FULL, s, off);
-        ok = __all_sync(FM_FULL, ok);
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(KVS_FULL_MASK, s, off);
+        ok = __all_sync(KVS_FULL_MASK, ok);
         if (lane == 0) {
             if (!ok) {
                 record_error(err, FM_ERR_BOUNDS, c, 0);

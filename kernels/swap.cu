@@ -13,14 +13,9 @@
 // The LRU order lives on the device as an array of slots (least recent first),
 // double-buffered: each call writes the new order into the other buffer.
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef int i32;
-typedef unsigned char u8;
 
 #define KV_NONE 0xFFFFFFFFu
 #define KV_CLAIM 0x80000000u
-#define KV_FULL_MASK 0xFFFFFFFFu
 
 // Error codes recorded on the device (first error wins).
 #define KV_ERR_OUT_OF_RANGE 1u
@@ -66,44 +61,6 @@ struct LayerDev {
 __device__ __forceinline__ bool is_stored(const LayerDev& L, u32 id) {
     return (L.stored[id >> 5] >> (id & 31)) & 1u;
 }
-
-__device__ __forceinline__ void record_error(u32* err, u32 code, u32 pos, u32 id) {
-    if (atomicCAS(&err[0], 0u, code) == 0u) {
-        err[1] = pos;
-        err[2] = id;
-    }
-}
-
-// Exclusive prefix sum of one value per thread over the block; *total gets the
-// sum. Every thread of the block must call it.
-__device__ u32 block_exclusive_sum(u32 v, u32* total) {
-    __shared__ u32 warp_sums[32];
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    const u32 nwarps = (blockDim.x + 31u) >> 5;
-    u32 x = v;
-#pragma unroll
-    for (u32 off = 1; off < 32; off <<= 1) {
-        u32 y = __shfl_up_sync(KV_FULL_MASK, x, off);
-        if (lane >= off) x += y;
-    }
-    if (lane == 31u) warp_sums[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-        u32 t = lane < nwarps ? warp_sums[lane] : 0u;
-#pragma unroll
-        for (u32 off = 1; off < 32; off <<= 1) {
-            u32 y = __shfl_up_sync(KV_FULL_MASK, t, off);
-            if (lane >= off) t += y;
-        }
-        warp_sums[lane] = t;
-    }
-    __syncthreads();
-    const u32 base = warp > 0 ? warp_sums[warp - 1] : 0u;
-    *total = warp_sums[nwarps - 1];
-    __syncthreads();
-    return base + x - v;
-}
-
 // Sum of one value per thread over the block. Every thread must call it.
 __device__ u32 block_sum(u32 v) {
     u32 total;
@@ -156,22 +113,6 @@ extern "C" __global__ void kvswap_init_layer(LayerDev L) {
 // Markers in the per-entry slot array of kvswap_swap_in (all >= KV_CLAIM).
 #define KV_BAD 0xFFFFFFFDu
 #define KV_FIRST_MISS 0xFFFFFFFEu
-
-// Lets the next kernel in the stream (the gather, launched with programmatic
-// stream serialization) start its blocks now; they wait in
-// griddepcontrol.wait until this grid has completed. A no-op before Hopper.
-__device__ __forceinline__ void allow_dependents() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wait_prerequisites() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // A fully resident layer (swap off): validate, count distinct hits, rewrite
 // id -> window + id. Uses the global per-slot flags (slots == cap can be large).
 __device__ void swap_in_identity(const LayerDev& L, i32* e, u32 window, u32 count) {
@@ -425,6 +366,6 @@ extern "C" __global__ void kvswap_validate(LayerDev L, const i32* indices, u32 w
         const u8* b = L.host_tier + id * L.chunk_bytes;
         bool same = true;
         for (u64 k = lane; k < L.chunk_bytes; k += 32) same &= a[k] == b[k];
-        if (!__all_sync(KV_FULL_MASK, same) && lane == 0) record_error(L.err, KV_ERR_VALIDATION, (u32)i, id);
+        if (!__all_sync(KVS_FULL_MASK, same) && lane == 0) record_error(L.err, KV_ERR_VALIDATION, (u32)i, id);
     }
 }

@@ -152,7 +152,7 @@ fn swap_smem(count: u32, slots: u32) -> u32 {
 }
 
 /// Refuses the legacy default stream and streams of other devices.
-fn check_stream_device(device: &Device, s: CUstream) -> Result<()> {
+pub(crate) fn check_stream_device(device: &Device, s: CUstream) -> Result<()> {
     if s.is_null() || s as usize == 1 {
         return Err(Error::invalid(
             "stream is the legacy default stream (NULL): pass the engine's CUstream \
@@ -170,8 +170,8 @@ fn check_stream_device(device: &Device, s: CUstream) -> Result<()> {
 }
 
 /// Checks that `[ptr, ptr + bytes)` is device memory of `device` (or pinned
-/// host memory the device can address).
-fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &str) -> Result<(u64, u64)> {
+/// host memory the device can address); returns the allocation's range.
+pub(crate) fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &str) -> Result<(u64, u64)> {
     let info = driver::pointer_info(ptr)?.ok_or_else(|| {
         Error::invalid(format!("{what} ({ptr:#x}) is not CUDA memory: on the CUDA backend it must be a device pointer"))
     })?;
@@ -179,7 +179,7 @@ fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &str) -> Resu
     if info.memory_type != HOST && info.device_ordinal != device.ordinal {
         return Err(Error::new(
             KvswapStatus::WrongDevice,
-            format!("{what} ({ptr:#x}) is memory of device {}, but this context is bound to device {}", info.device_ordinal, device.ordinal),
+            format!("{what} ({ptr:#x}) is memory of device {}, but this kvswap object is bound to device {}", info.device_ordinal, device.ordinal),
         ));
     }
     if ptr + bytes > info.range_start + info.range_size {

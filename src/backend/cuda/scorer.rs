@@ -189,38 +189,15 @@ impl Launch {
     }
 }
 
-/// Stream and pointer checks shared by the scorer and the bounds scorer.
+/// The engine's stream, checked (not the legacy stream; of this device).
 fn check_stream(device: &Device, stream: StreamHandle) -> Result<CUstream> {
     let s = stream as CUstream;
-    if s.is_null() || stream == 1 {
-        return Err(Error::invalid(
-            "stream is the legacy default stream (NULL): pass the engine's CUstream (CU_STREAM_PER_THREAD is accepted)",
-        ));
-    }
-    if driver::stream_context(s)? != device.ctx {
-        return Err(Error::new(
-            KvswapStatus::WrongDevice,
-            format!("stream belongs to another CUDA context than device {}'s primary context", device.ordinal),
-        ));
-    }
+    super::check_stream_device(device, s)?;
     Ok(s)
 }
 
 fn check_device_ptr(device: &Device, ptr: u64, bytes: u64, what: &str) -> Result<()> {
-    let info = driver::pointer_info(ptr)?.ok_or_else(|| {
-        Error::invalid(format!("{what} ({ptr:#x}) is not CUDA memory: on the CUDA backend it must be a device pointer"))
-    })?;
-    const HOST: u32 = 1;
-    if info.memory_type != HOST && info.device_ordinal != device.ordinal {
-        return Err(Error::new(
-            KvswapStatus::WrongDevice,
-            format!("{what} ({ptr:#x}) is memory of device {}, but the scorer is on device {}", info.device_ordinal, device.ordinal),
-        ));
-    }
-    if ptr + bytes > info.range_start + info.range_size {
-        return Err(Error::out_of_range(format!("{what} ({ptr:#x}, {bytes} bytes) runs past the end of its allocation")));
-    }
-    Ok(())
+    super::check_device_range(device, ptr, bytes, what).map(|_| ())
 }
 
 /// The learned scorer on one GPU.
