@@ -189,6 +189,12 @@ impl Launch {
     }
 }
 
+/// Opens `device` for a scorer; a failure says that device -1 scores on the CPU.
+fn open_device(device: i32) -> Result<Device> {
+    Device::open(device)
+        .map_err(|e| Error::new(e.status, format!("CUDA scorer on device {device}: {}; device -1 scores on the CPU", e.message)))
+}
+
 /// The engine's stream, checked (not the legacy stream; of this device).
 fn check_stream(device: &Device, stream: StreamHandle) -> Result<CUstream> {
     let s = stream as CUstream;
@@ -235,6 +241,9 @@ impl CudaScorer {
     pub fn new(ckpt: &Checkpoint, device: i32, sync: bool) -> Result<CudaScorer> {
         let m = ckpt.meta();
         let (s, h, d, hidden) = (m.n_scorers as usize, m.n_heads as usize, m.head_dim as usize, m.hidden as usize);
+        // No driver or device is NO_DEVICE before any question of shape.
+        let dev = open_device(device)?;
+        let _g = dev.bind()?;
         let unsupported = |why: String| Error::new(KvswapStatus::Unsupported, format!("CUDA scorer: {why}; use device -1 (the CPU scorer)"));
         if d % 64 != 0 || d > 256 {
             return Err(unsupported(format!("head_dim={d} must be 64, 128, 192 or 256")));
@@ -245,8 +254,6 @@ impl CudaScorer {
         if hidden % 8 != 0 {
             return Err(unsupported(format!("hidden={hidden} must be a multiple of 8")));
         }
-        let dev = Device::open(device)?;
-        let _g = dev.bind()?;
         let score_smem = (s * h * d * 2 + 2 * 64 * d * 2 + s * (h / h.min(64)) * 64 * 4 + HIST * 4) as u32;
         if score_smem as i32 > dev.smem_optin - 1024 {
             return Err(unsupported(format!(
@@ -636,7 +643,7 @@ impl CudaBounds {
         if let Some(b) = map.get(&(device, sync)) {
             return Ok(b.clone());
         }
-        let dev = Device::open(device)?;
+        let dev = open_device(device)?;
         let _g = dev.bind()?;
         let cubin = super::nvrtc::compile_cached("scorer.cu", crate::kernels::SCORER_CU, dev.cc)?;
         let module = Module::load(&cubin)?;
