@@ -89,6 +89,15 @@ __device__ __forceinline__ u32 fp8x2_to_bf16x2(u32 two) {
 #endif
 }
 
+// Eight f32 at p (16-byte aligned) rounded to eight bf16 (16 bytes).
+__device__ __forceinline__ uint4 f32x8_to_bf16x8(const float* p) {
+    const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
+    return make_uint4((u32)f32_to_bf16(a.x) | ((u32)f32_to_bf16(a.y) << 16),
+                      (u32)f32_to_bf16(a.z) | ((u32)f32_to_bf16(a.w) << 16),
+                      (u32)f32_to_bf16(b.x) | ((u32)f32_to_bf16(b.y) << 16),
+                      (u32)f32_to_bf16(b.z) | ((u32)f32_to_bf16(b.w) << 16));
+}
+
 // Monotone map of a float to u32: a < b  <=>  key(a) < key(b) (NaN excluded).
 __device__ __forceinline__ u32 sort_key(float f) {
     const u32 x = __float_as_uint(f);
@@ -380,14 +389,7 @@ __device__ void stage_tile_f32(const ScoreSeq& S, u32 c0, u8* tile) {
         const u32 r = t / FM_CHUNKS16, c = t % FM_CHUNKS16;
         const u32 chunk = c0 + r;
         uint4 out = make_uint4(0, 0, 0, 0);
-        if (chunk < S.n) {
-            const float* p = (const float*)((const u8*)S.keys + (u64)chunk * S.stride) + c * 8;
-            const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
-            out.x = (u32)f32_to_bf16(a.x) | ((u32)f32_to_bf16(a.y) << 16);
-            out.y = (u32)f32_to_bf16(a.z) | ((u32)f32_to_bf16(a.w) << 16);
-            out.z = (u32)f32_to_bf16(b.x) | ((u32)f32_to_bf16(b.y) << 16);
-            out.w = (u32)f32_to_bf16(b.z) | ((u32)f32_to_bf16(b.w) << 16);
-        }
+        if (chunk < S.n) out = f32x8_to_bf16x8((const float*)((const u8*)S.keys + (u64)chunk * S.stride) + c * 8);
         *(uint4*)(tile + swz(r, c)) = out;
     }
 }
@@ -700,14 +702,7 @@ __device__ void wg_stage_f32(const ScoreSeq& S, u32 t0, u32 c0, u8* tile) {
         const u32 r = t / FM_CHUNKS16, c = t % FM_CHUNKS16;
         const u32 chunk = c0 + r;
         uint4 out = make_uint4(0, 0, 0, 0);
-        if (chunk < S.n) {
-            const float* p = (const float*)((const u8*)S.keys + (u64)chunk * S.stride) + c * 8;
-            const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
-            out.x = (u32)f32_to_bf16(a.x) | ((u32)f32_to_bf16(a.y) << 16);
-            out.y = (u32)f32_to_bf16(a.z) | ((u32)f32_to_bf16(a.w) << 16);
-            out.z = (u32)f32_to_bf16(b.x) | ((u32)f32_to_bf16(b.y) << 16);
-            out.w = (u32)f32_to_bf16(b.z) | ((u32)f32_to_bf16(b.w) << 16);
-        }
+        if (chunk < S.n) out = f32x8_to_bf16x8((const float*)((const u8*)S.keys + (u64)chunk * S.stride) + c * 8);
         *(uint4*)(tile + sw128(WG_ROWS, r, c)) = out;
     }
 }
