@@ -160,6 +160,18 @@ template <> __device__ __forceinline__ void load8<F16>(const F16* p, float* out)
     }
 }
 
+// w[0..8) . (x0, x1), in a fixed order (batch and single calls agree bit for bit).
+__device__ __forceinline__ float dot8(const float* w, float4 x0, float4 x1) {
+    float s = w[0] * x0.x;
+    s = fmaf(w[1], x0.y, s);
+    s = fmaf(w[2], x0.z, s);
+    s = fmaf(w[3], x0.w, s);
+    s = fmaf(w[4], x1.x, s);
+    s = fmaf(w[5], x1.y, s);
+    s = fmaf(w[6], x1.z, s);
+    return fmaf(w[7], x1.w, s);
+}
+
 // out[b][row] = W[row] . hidden_b for every row of every scorer and every
 // sequence b of the batch (up to MAXB): each warp owns one weight row and reads
 // it once for all sequences; the sequences' hidden slices are staged in
@@ -194,16 +206,7 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
             for (u32 k = lane * 8; k < hidden; k += 256) {
                 float wv[8];
                 load8<T>(wrow + k, wv);
-                const float4 x0 = __ldg((const float4*)(h0 + k)), x1 = __ldg((const float4*)(h0 + k + 4));
-                float s = wv[0] * x0.x;
-                s = fmaf(wv[1], x0.y, s);
-                s = fmaf(wv[2], x0.z, s);
-                s = fmaf(wv[3], x0.w, s);
-                s = fmaf(wv[4], x1.x, s);
-                s = fmaf(wv[5], x1.y, s);
-                s = fmaf(wv[6], x1.z, s);
-                s = fmaf(wv[7], x1.w, s);
-                acc[0] += s;
+                acc[0] += dot8(wv, __ldg((const float4*)(h0 + k)), __ldg((const float4*)(h0 + k + 4)));
             }
         }
     } else
@@ -226,16 +229,7 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
             for (u32 b = 0; b < MAXB; ++b) {
                 if (b < B.n) {
                     const float* h = sh_h + b * KT + k;
-                    const float4 h0 = *(const float4*)h, h1 = *(const float4*)(h + 4);
-                    float s = wv[0] * h0.x;
-                    s = fmaf(wv[1], h0.y, s);
-                    s = fmaf(wv[2], h0.z, s);
-                    s = fmaf(wv[3], h0.w, s);
-                    s = fmaf(wv[4], h1.x, s);
-                    s = fmaf(wv[5], h1.y, s);
-                    s = fmaf(wv[6], h1.z, s);
-                    s = fmaf(wv[7], h1.w, s);
-                    acc[b] += s;
+                    acc[b] += dot8(wv, *(const float4*)h, *(const float4*)(h + 4));
                 }
             }
         }
