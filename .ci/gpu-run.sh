@@ -69,6 +69,18 @@ if [[ $what == ncu-detail ]]; then
     .gpu/kvswap bench --backend cuda --scorer --quick
   grep -E "Duration|Throughput|Stall|Issued|Eligible|Active Warps|No Eligible|Warp Cycles|smsp__pcsamp|L1|L2|DRAM|Bank" "$OUT/ncu-detail.log" | head -60
 fi
+if [[ $what == sass ]]; then
+  # Per-instruction stall samples (SASS) and the details page of the kernels
+  # matching $NCU_KERNELS, from one launch each after warm-up.
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  step ncu-rep "$NCU" --clock-control none --kernel-name "regex:${NCU_KERNELS:-fm_score_wg|fm_select}" --launch-skip ${NCU_SKIP:-6} \
+    --launch-count ${NCU_COUNT:-3} --section SourceCounters --section WarpStateStats --section SpeedOfLight \
+    --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+    -o "$OUT/prof" .gpu/kvswap bench --backend cuda --scorer --quick
+  "$NCU" -i "$OUT/prof.ncu-rep" --page details > "$OUT/ncu-details.txt" 2>&1
+  "$NCU" -i "$OUT/prof.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu-sass.csv" 2>&1
+  grep -E "fm_|Duration|Eligible|Issued Warp|No Eligible|Active Warps|Warp Cycles Per Issued|DRAM Throughput|Registers" "$OUT/ncu-details.txt" | head -60
+fi
 if [[ $what == profile ]]; then
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   step ncu "$NCU" --clock-control none --csv --metrics gpu__time_duration.sum --kernel-name "regex:fm_|kvswap_" \

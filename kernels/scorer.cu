@@ -10,13 +10,12 @@
 //                  ensemble (max or mean) -> a sortable 32-bit key per chunk,
 //                  and a histogram of the keys' top FM_HIST_BITS bits.
 //   fm_bounds_score  the training-free (Quest-style) scorer, same outputs.
-//   fm_select1/2   two passes over the keys: the threshold bin of the 12-bit
-//                  histogram, then of a second 12-bit histogram inside it;
-//                  candidates above (certain) and in (ties) the 24-bit
-//                  threshold; the last block picks the exact top-k by the 64-bit
-//                  key (score key << 32 | ~id) and writes the ids in descending
-//                  order, -1 padded. The histograms and counters are left
-//                  zeroed for the next call (graph replay needs no memset).
+//   fm_select      one pass over the keys: candidates above (certain) and in
+//                  (ties) the threshold bin of the 12-bit histogram; the last
+//                  block narrows the ties by radix passes, sorts the winners
+//                  by the 64-bit key (score key << 32 | ~id), writes the ids in
+//                  descending order, -1 padded, and leaves the histogram and
+//                  counters zeroed for the next call (no memset on replay).
 
 
 #ifndef FM_SCORERS
@@ -113,6 +112,31 @@ __device__ __forceinline__ void hist_add(u32* hist, u32 bin, bool valid) {
     if (valid && (threadIdx.x & 31u) == (u32)(__ffs(peers) - 1)) atomicAdd(&hist[bin], (u32)__popc(peers));
 }
 
+// The global histogram of a sequence: FM_HIST fine bins (top FM_HIST_BITS
+// bits of the score key), then FM_COARSE coarse bins (the top
+// FM_COARSE_BITS bits) so the selection finds its threshold reading 128
+// words instead of 4096.
+#define FM_COARSE_BITS 6
+#define FM_COARSE (1u << FM_COARSE_BITS)
+#define FM_HIST_WORDS (FM_HIST + FM_COARSE)
+#define FM_FINE_PER_COARSE (FM_HIST / FM_COARSE)
+static_assert(FM_COARSE == 64 && FM_FINE_PER_COARSE == 64, "threshold_bin reads 64 + 64 bins");
+
+// Adds a block's shared histogram into the global one (fine and coarse
+// bins). Call after a barrier; every thread of the block.
+__device__ __forceinline__ void flush_hist(const u32* sh_hist, u32* hist) {
+    for (u32 i = threadIdx.x; i < FM_HIST; i += blockDim.x)
+        if (sh_hist[i]) atomicAdd(&hist[i], sh_hist[i]);
+    const u32 lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
+    for (u32 c = threadIdx.x >> 5; c < FM_COARSE; c += warps) {
+        u32 v = 0;
+        for (u32 b = lane; b < FM_FINE_PER_COARSE; b += 32) v += sh_hist[c * FM_FINE_PER_COARSE + b];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(KVS_FULL_MASK, v, off);
+        if (lane == 0 && v) atomicAdd(&hist[FM_HIST + c], v);
+    }
+}
+
 // ------------------------------------------------------------ projections
 
 // One sequence's inputs and outputs of the projection.
@@ -190,6 +214,10 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
     const u32 row = blockIdx.x * FM_PROJ_ROWS + warp;
     const bool active = row < ROWS;
     const T* wrow = weights + ((u64)scorer * ROWS + (active ? row : 0)) * hidden;
+    // The scoring kernel (a programmatic dependent) launches once every block
+    // of this grid has started, i.e. during its last wave, and prefetches its
+    // first key tiles; it waits for this grid to complete before reading q, w.
+    allow_dependents();
     float acc[MAXB];
 #pragma unroll
     for (u32 b = 0; b < MAXB; ++b) acc[b] = 0.f;
@@ -273,7 +301,7 @@ struct ScoreSeq {
     const u16* q;         // [FM_QROWS][FM_HEAD_DIM] bf16
     const float* w;       // [FM_QROWS]
     u32* skey;            // [n] out: sortable score keys
-    u32* hist;            // [FM_HIST] out: counts of skey >> (32 - FM_HIST_BITS)
+    u32* hist;            // [FM_HIST_WORDS] out: fine and coarse counts of skey (flush_hist)
     u32 stride;           // bytes between key rows
     u32 n;
 };
@@ -550,8 +578,7 @@ fm_score(ScoreBatch B, u32* err) {
     if (bad) record_error(err, FM_ERR_SCORE, bad_chunk, blockIdx.y);
     allow_dependents();  // the selection may start launching as blocks finish
     __syncthreads();
-    for (u32 i = threadIdx.x; i < FM_HIST; i += blockDim.x)
-        if (sh_hist[i]) atomicAdd(&S.hist[i], sh_hist[i]);
+    flush_hist(sh_hist, S.hist);
 }
 
 // ------------------------------------------ scoring with wgmma (Hopper, sm_90a)
@@ -568,7 +595,8 @@ fm_score(ScoreBatch B, u32* err) {
 // multiple of 64).
 #if defined(FM_WGMMA)
 
-#define WG_THREADS 256                   // two warpgroups
+#define WG_GROUPS 3                      // warpgroups taking turns on the tensor cores
+#define WG_THREADS (128 * WG_GROUPS)
 #define WG_KBLOCKS (FM_HEAD_DIM / 64)    // 128-byte K blocks per row
 #define WG_Q_BYTES (FM_QROWS * FM_HEAD_DIM * 2)
 
@@ -637,11 +665,14 @@ __device__ __forceinline__ void wgmma_row(float* d, u64 a, u64 b, u32 acc) {
 #endif
 }
 
-#define WG_STAGES 4                        // tiles in flight per warpgroup
+#define WG_STAGES 3                        // tiles in flight per warpgroup
 #define WG_ROWS 64                         // chunks per warpgroup tile (one m64 wgmma row)
 #define WG_SUB_BYTES (WG_ROWS * FM_HEAD_DIM * 2)   // one bf16 warpgroup tile
 #define WG_RAW_BYTES (WG_ROWS * FM_HEAD_DIM)       // one fp8 warpgroup tile
 #define WG_GROUP_THREADS 128
+#define WG_ORDER_BAR (1 + WG_GROUPS)       // named barriers WG_ORDER_BAR + g: warpgroup g's turn on the tensor cores
+// Named barrier ids: 0 = __syncthreads, 1 .. WG_GROUPS = one warpgroup, then the turns.
+static_assert(WG_ORDER_BAR + WG_GROUPS <= 16, "16 hardware barriers");
 
 __device__ __forceinline__ void cp_async_wait_stages() {
     asm volatile("cp.async.wait_group %0;" ::"n"(WG_STAGES - 2) : "memory");
@@ -651,27 +682,58 @@ __device__ __forceinline__ void cp_async_wait_stages() {
 __device__ __forceinline__ void wg_barrier(u32 g) {
     asm volatile("bar.sync %0, %1;" ::"r"(g + 1), "n"(WG_GROUP_THREADS) : "memory");
 }
+// A turn barrier: the waiting warpgroup syncs, the one before it arrives.
+__device__ __forceinline__ void turn_wait(u32 id) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(2 * WG_GROUP_THREADS) : "memory");
+}
+__device__ __forceinline__ void turn_pass(u32 id) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(2 * WG_GROUP_THREADS) : "memory");
+}
 
 // Starts the copy of rows [c0, c0 + WG_ROWS) by the 128 threads of a
-// warpgroup (t = thread index in the group): bf16 rows straight into the
+// warpgroup (t0 = thread index in the group): bf16 rows straight into the
 // swizzled compute layout; fp8 rows as raw bytes (converted before use).
-// Always commits one group (possibly empty) so group counting stays uniform.
-__device__ void wg_issue(const ScoreSeq& S, u32 dtype, u32 t0, u32 c0, bool valid, u8* dst) {
+// Thread t0 always copies the same 16-byte column of rows t0 / per_row +
+// j * (128 / per_row), so its addresses step by a constant. Rows past n are
+// zeroed. Always commits one group (possibly empty) so counting stays uniform.
+__device__ __forceinline__ void wg_issue(const u8* keys, u32 stride, u32 n, u32 dtype, u32 t0, u32 c0, bool valid, u8* dst) {
     if (valid && dtype == FM_KEYS_BF16) {
-        for (u32 t = t0; t < WG_ROWS * FM_CHUNKS16; t += WG_GROUP_THREADS) {
-            const u32 r = t / FM_CHUNKS16, c = t % FM_CHUNKS16;
-            const u32 chunk = c0 + r;
-            u8* d = dst + sw128(WG_ROWS, r, c);
-            if (chunk < S.n) cp_async16(smem_addr(d), (const u8*)S.keys + (u64)chunk * S.stride + c * 16);
-            else *(uint4*)d = make_uint4(0, 0, 0, 0);
+        constexpr u32 PER_ROW = FM_CHUNKS16, ITEMS = WG_ROWS * PER_ROW / WG_GROUP_THREADS;
+        constexpr u32 RSTEP = WG_GROUP_THREADS / PER_ROW;
+        if constexpr (WG_GROUP_THREADS % PER_ROW == 0 && RSTEP % 8 == 0) {
+            // Rows r0 + j * RSTEP keep r % 8, so the swizzled destination
+            // steps by RSTEP * 128 bytes and the source by RSTEP rows.
+            const u32 r0 = t0 / PER_ROW, c = t0 % PER_ROW;
+            const u8* src = keys + (u64)(c0 + r0) * stride + c * 16;
+            const u64 step = (u64)RSTEP * stride;
+            const u32 d0 = smem_addr(dst + sw128(WG_ROWS, r0, c));
+            if (c0 + WG_ROWS <= n) {
+#pragma unroll
+                for (u32 j = 0; j < ITEMS; ++j) {
+                    cp_async16(d0 + j * RSTEP * 128u, src);
+                    src += step;
+                }
+            } else {
+                for (u32 j = 0; j < ITEMS; ++j) {
+                    if (c0 + r0 + j * RSTEP < n) cp_async16(d0 + j * RSTEP * 128u, src);
+                    else *(uint4*)(dst + sw128(WG_ROWS, r0 + j * RSTEP, c)) = make_uint4(0, 0, 0, 0);
+                    src += step;
+                }
+            }
+        } else {
+            for (u32 t = t0; t < WG_ROWS * PER_ROW; t += WG_GROUP_THREADS) {
+                const u32 r = t / PER_ROW, c = t % PER_ROW;
+                u8* d = dst + sw128(WG_ROWS, r, c);
+                if (c0 + r < n) cp_async16(smem_addr(d), keys + (u64)(c0 + r) * stride + c * 16);
+                else *(uint4*)d = make_uint4(0, 0, 0, 0);
+            }
         }
     } else if (valid && dtype == FM_KEYS_FP8_E4M3) {
-        constexpr u32 per_row = FM_HEAD_DIM / 16;  // 16-byte pieces of an fp8 row
-        for (u32 t = t0; t < WG_ROWS * per_row; t += WG_GROUP_THREADS) {
-            const u32 r = t / per_row, c = t % per_row;
-            const u32 chunk = c0 + r;
+        constexpr u32 PER_ROW = FM_HEAD_DIM / 16;  // 16-byte pieces of an fp8 row
+        for (u32 t = t0; t < WG_ROWS * PER_ROW; t += WG_GROUP_THREADS) {
+            const u32 r = t / PER_ROW, c = t % PER_ROW;
             u8* d = dst + r * FM_HEAD_DIM + c * 16;
-            if (chunk < S.n) cp_async16(smem_addr(d), (const u8*)S.keys + (u64)chunk * S.stride + c * 16);
+            if (c0 + r < n) cp_async16(smem_addr(d), keys + (u64)(c0 + r) * stride + c * 16);
             else *(uint4*)d = make_uint4(0, 0, 0, 0);
         }
     }
@@ -691,22 +753,57 @@ __device__ void wg_convert_fp8(u32 t0, const u8* raw, u8* tile) {
     }
 }
 
-__device__ void wg_stage_f32(const ScoreSeq& S, u32 t0, u32 c0, u8* tile) {
+__device__ void wg_stage_f32(const u8* keys, u32 stride, u32 n, u32 t0, u32 c0, u8* tile) {
     for (u32 t = t0; t < WG_ROWS * FM_CHUNKS16; t += WG_GROUP_THREADS) {
         const u32 r = t / FM_CHUNKS16, c = t % FM_CHUNKS16;
-        const u32 chunk = c0 + r;
         uint4 out = make_uint4(0, 0, 0, 0);
-        if (chunk < S.n) out = f32x8_to_bf16x8((const float*)((const u8*)S.keys + (u64)chunk * S.stride) + c * 8);
+        if (c0 + r < n) out = f32x8_to_bf16x8((const float*)(keys + (u64)(c0 + r) * stride) + c * 8);
         *(uint4*)(tile + sw128(WG_ROWS, r, c)) = out;
     }
 }
 
-// Grid: (blocks per sequence, sequences), 2 warpgroups (WG_THREADS threads),
-// dynamic shared memory: Q + per warpgroup a ring of WG_STAGES tiles (bf16:
-// compute tiles; fp8: raw tiles plus one compute tile; f32: one compute
-// tile) + 1024 alignment slack. The two warpgroups run independent pipelines
-// over interleaved 64-chunk tiles and meet only at their own barriers, so one
-// runs its epilogue while the other's wgmma keeps the tensor cores busy.
+// The ensemble score of one of this thread's two rows (`half`) from its
+// accumulators: per scorer sum_h w[h] * relu(x[h]), x = scale * (q . key)
+// when SCALED; the quad holding the row reduces it. `finite` turns false for
+// a non-finite key (every column of its row is then non-finite, so one
+// column is checked), a non-finite scale, or a dot product overflowing to
+// +inf (it reaches the scorer's sum); -inf overflow is clamped by the relu as
+// in exact arithmetic. relu(NaN) is not needed: a NaN column means a
+// non-finite key. Two instructions per accumulator (bf16, f32 keys).
+template <bool SCALED>
+__device__ __forceinline__ float wg_row_score(const float* d, u32 half, const float (*wv)[2], float scale, bool mean, bool& finite) {
+    finite = isfinite(d[2 * half]) && isfinite(scale);
+    float ens = 0.f;
+#pragma unroll
+    for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
+        // Four independent chains (n-tiles j mod 4) hide the FMA latency.
+        float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (u32 j = sc * (FM_HEADS / 8); j < (sc + 1) * (FM_HEADS / 8); ++j) {
+#pragma unroll
+            for (u32 e = 0; e < 2; ++e) {
+                const float x = SCALED ? d[4 * j + 2 * half + e] * scale : d[4 * j + 2 * half + e];
+                part[j & 3u] = fmaf(wv[j][e], fmaxf(x, 0.f), part[j & 3u]);
+            }
+        }
+        float si = (part[0] + part[1]) + (part[2] + part[3]);
+        si += __shfl_xor_sync(KVS_FULL_MASK, si, 1);
+        si += __shfl_xor_sync(KVS_FULL_MASK, si, 2);
+        finite &= isfinite(si);
+        ens = mean ? ens + si : (sc == 0 ? si : fmaxf(ens, si));
+    }
+    if (mean) ens *= 1.f / FM_SCORERS;
+    return ens;
+}
+
+// Grid: (blocks per sequence, sequences), WG_GROUPS warpgroups (WG_THREADS
+// threads), dynamic shared memory: Q + per warpgroup a ring of WG_STAGES
+// tiles (bf16: compute tiles; fp8: raw tiles plus one compute tile; f32: one
+// compute tile) + 1024 alignment slack. The warpgroups run independent
+// pipelines over interleaved 64-chunk tiles and take turns on the tensor
+// cores in a fixed cycle 0, 1, .., WG_GROUPS - 1 (named barriers): one issues
+// its MMAs right after the one before it, so the others' epilogues overlap
+// the MMAs.
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg(ScoreBatch B, u32* err) {
     extern __shared__ u8 wg_smem_raw[];
     __shared__ u32 sh_hist[FM_HIST];
@@ -715,28 +812,45 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg(ScoreBat
     u8* base = wg_smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
     u8* sh_q = base;
     const u32 dtype = B.dtype;
+    const bool mean = B.mean != 0;
     const u32 slot_bytes = dtype == FM_KEYS_BF16 ? WG_SUB_BYTES : WG_RAW_BYTES;
     const u32 group_bytes = dtype == FM_KEYS_BF16 ? WG_STAGES * WG_SUB_BYTES : WG_STAGES * WG_RAW_BYTES + WG_SUB_BYTES;
-    wait_prerequisites();  // q and w come from the projection kernel
     const ScoreSeq& S = B.seq[blockIdx.y];
+    const u8* keys = (const u8*)S.keys;
+    const u32 n = S.n, stride = S.stride;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 g = warp >> 2;                       // this warpgroup
     const u32 t0 = threadIdx.x & (WG_GROUP_THREADS - 1u);
     u8* ring = base + WG_Q_BYTES + g * group_bytes;
     u8* conv = ring + WG_STAGES * WG_RAW_BYTES;    // fp8 / f32 compute tile
 
-    // This warpgroup's tiles: 2 * blockIdx.x + g, then every 2 * gridDim.x.
-    const u32 tiles = (S.n + WG_ROWS - 1) / WG_ROWS;
-    const u32 first = 2 * blockIdx.x + g, step = 2 * gridDim.x;
-    const u32 my_tiles = first < tiles ? (tiles - first + step - 1) / step : 0u;
+    // Warpgroup h's tiles: WG_GROUPS * blockIdx.x + h, then every
+    // WG_GROUPS * gridDim.x; counts never grow with h and differ by at most 1.
+    const u32 tiles = (n + WG_ROWS - 1) / WG_ROWS;
+    const u32 step = WG_GROUPS * gridDim.x;
+    auto count = [&](u32 h) -> u32 {
+        const u32 f = WG_GROUPS * blockIdx.x + h;
+        return f < tiles ? (tiles - f + step - 1) / step : 0u;
+    };
+    const u32 first = WG_GROUPS * blockIdx.x + g;
+    const u32 my_tiles = count(g);
+    // After its turn i, this warpgroup passes the turn on only when the next
+    // one has a turn left (no barrier is left half-arrived).
+    const u32 next = g + 1 < WG_GROUPS ? g + 1 : 0u;
+    const u32 next_turns = g + 1 < WG_GROUPS ? count(next) : (count(0) > 0 ? count(0) - 1 : 0u);
+    // The first key tiles are loaded before waiting for the projection: keys
+    // are inputs of the call (ready before the projection started), q and w
+    // are its outputs.
     if (dtype != FM_KEYS_F32) {
         for (u32 i = 0; i < WG_STAGES - 1; ++i)
-            wg_issue(S, dtype, t0, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * slot_bytes);
+            wg_issue(keys, stride, n, dtype, t0, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * slot_bytes);
     }
+    wait_prerequisites();
     for (u32 t = threadIdx.x; t < FM_QROWS * FM_CHUNKS16; t += WG_THREADS) {
         const u32 r = t / FM_CHUNKS16, c = t % FM_CHUNKS16;
-        *(uint4*)(sh_q + sw128(FM_QROWS, r, c)) = *(const uint4*)(S.q + (u64)r * FM_HEAD_DIM + c * 8);
+        cp_async16(smem_addr(sh_q + sw128(FM_QROWS, r, c)), S.q + (u64)r * FM_HEAD_DIM + c * 8);
     }
+    cp_async_commit();
     for (u32 i = threadIdx.x; i < FM_HIST; i += WG_THREADS) sh_hist[i] = 0;
     // Head weights of this thread's columns: n-tile j, columns 2*(lane%4)+{0,1}.
     float wv[FM_QROWS / 8][2];
@@ -745,11 +859,13 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg(ScoreBat
         wv[j][0] = S.w[j * 8 + 2 * (lane & 3u)];
         wv[j][1] = S.w[j * 8 + 2 * (lane & 3u) + 1];
     }
+    cp_async_wait_all();  // Q (and the first tiles, loaded alongside)
     fence_async_smem();
     __syncthreads();  // Q and the histogram are ready for both warpgroups
     bool bad = false;
     u32 bad_chunk = 0;
-    const u32 q_base = smem_addr(sh_q);
+    const u64 db0 = gmma_desc(smem_addr(sh_q));
+    if (g == WG_GROUPS - 1 && count(0) > 0) turn_pass(WG_ORDER_BAR);  // warpgroup 0 goes first
     for (u32 i = 0; i < my_tiles; ++i) {
         const u32 c0 = (first + i * step) * WG_ROWS;
         u8* slot = ring + (i % WG_STAGES) * slot_bytes;
@@ -757,31 +873,40 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg(ScoreBat
         wg_barrier(g);  // ... every thread's part; tile i - 1 is consumed
         if (dtype != FM_KEYS_F32) {
             const u32 ahead = i + WG_STAGES - 1;
-            wg_issue(S, dtype, t0, (first + ahead * step) * WG_ROWS, ahead < my_tiles, ring + (ahead % WG_STAGES) * slot_bytes);
+            wg_issue(keys, stride, n, dtype, t0, (first + ahead * step) * WG_ROWS, ahead < my_tiles, ring + (ahead % WG_STAGES) * slot_bytes);
         }
         u8* cur_a = slot;
         if (dtype == FM_KEYS_FP8_E4M3) {
             wg_convert_fp8(t0, slot, conv);
             cur_a = conv;
         } else if (dtype == FM_KEYS_F32) {
-            wg_stage_f32(S, t0, c0, conv);
+            wg_stage_f32(keys, stride, n, t0, c0, conv);
             cur_a = conv;
         }
         fence_async_smem();  // generic-proxy writes (cp.async, stores) -> tensor-core reads
         wg_barrier(g);
+        // Our turn: the warpgroup before us has issued its MMAs. (No branch
+        // around the MMAs: ptxas would serialise them.)
+        turn_wait(WG_ORDER_BAR + g);
         float d[FM_QROWS / 2];
 #pragma unroll
         for (u32 k = 0; k < FM_QROWS / 2; ++k) d[k] = 0.f;
-        const u32 a_base = smem_addr(cur_a);
+        // Descriptors of k-step ks: the base descriptor plus the step's byte
+        // offset / 16 (the address field is in 16-byte units and the offsets
+        // stay inside the 256 KiB window it covers).
+        const u64 da0 = gmma_desc(smem_addr(cur_a));
         wgmma_fence();
 #pragma unroll
         for (u32 ks = 0; ks < FM_KSTEPS; ++ks) {
             const u32 kb = ks >> 2, within = (ks & 3u) * 32u;
-            const u64 da = gmma_desc(a_base + kb * (WG_ROWS * 128u) + within);
-            const u64 db = gmma_desc(q_base + kb * (FM_QROWS * 128u) + within);
+            const u64 da = da0 + ((kb * (WG_ROWS * 128u) + within) >> 4);
+            const u64 db = db0 + ((kb * (FM_QROWS * 128u) + within) >> 4);
             wgmma_row(d, da, db, ks > 0 ? 1u : 0u);
         }
         wgmma_commit();
+        // The next warpgroup's turn (the last one gave warpgroup 0 its first
+        // before the loop).
+        if (i < next_turns) turn_pass(WG_ORDER_BAR + next);
         wgmma_wait0();
 
         // Epilogue: this thread's rows are r and r + 8 of its warp's 16.
@@ -789,47 +914,28 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg(ScoreBat
         for (u32 half = 0; half < 2; ++half) {
             const u32 row = (warp & 3u) * 16 + (lane >> 2) + half * 8;
             const u32 chunk = c0 + row;
-            const float scale = (dtype == FM_KEYS_FP8_E4M3 && chunk < S.n) ? S.scales[chunk] : 1.f;
-            float ens = 0.f;
-            bool finite = true;
-#pragma unroll
-            for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
-                float si = 0.f;
-#pragma unroll
-                for (u32 j = sc * (FM_HEADS / 8); j < (sc + 1) * (FM_HEADS / 8); ++j) {
-#pragma unroll
-                    for (u32 e = 0; e < 2; ++e) {
-                        const float x = d[4 * j + 2 * half + e] * scale;
-                        finite &= isfinite(x);  // a non-finite key, scale or overflow
-                        si = fmaf(wv[j][e], x > 0.f ? x : 0.f, si);
-                    }
-                }
-                si += __shfl_xor_sync(KVS_FULL_MASK, si, 1);
-                si += __shfl_xor_sync(KVS_FULL_MASK, si, 2);
-                ens = B.mean ? ens + si : (sc == 0 ? si : fmaxf(ens, si));
-            }
-            if (B.mean) ens *= 1.f / FM_SCORERS;
-            if (!finite && chunk < S.n) {
-                bad = true;
-                bad_chunk = chunk;
-            }
-            const bool writer = (lane & 3u) == 0 && chunk < S.n;
-            if (writer && !isfinite(ens)) {
+            const bool in = chunk < n;
+            bool finite;
+            float ens;
+            if (dtype == FM_KEYS_FP8_E4M3) ens = wg_row_score<true>(d, half, wv, in ? S.scales[chunk] : 1.f, mean, finite);
+            else ens = wg_row_score<false>(d, half, wv, 1.f, mean, finite);
+            if (!finite && in) {
                 bad = true;
                 bad_chunk = chunk;
                 ens = -3.0e38f;
             }
             const u32 k = sort_key(ens);
-            if (writer) S.skey[chunk] = k;
-            hist_add(sh_hist, k >> (32 - FM_HIST_BITS), writer);
+            if ((lane & 3u) == 0 && in) {  // 8 lanes: a plain shared atomic beats match_any
+                S.skey[chunk] = k;
+                atomicAdd(&sh_hist[k >> (32 - FM_HIST_BITS)], 1u);
+            }
         }
     }
     cp_async_wait_all();
     if (bad) record_error(err, FM_ERR_SCORE, bad_chunk, blockIdx.y);
     allow_dependents();
     __syncthreads();
-    for (u32 i = threadIdx.x; i < FM_HIST; i += WG_THREADS)
-        if (sh_hist[i]) atomicAdd(&S.hist[i], sh_hist[i]);
+    flush_hist(sh_hist, S.hist);
 }
 
 #endif  // FM_WGMMA
@@ -871,11 +977,22 @@ extern "C" __global__ void fm_bounds_score(const float* q, const float* bmin, co
         }
     }
     __syncthreads();
-    for (u32 i = threadIdx.x; i < FM_HIST; i += blockDim.x)
-        if (sh_hist[i]) atomicAdd(&hist[i], sh_hist[i]);
+    flush_hist(sh_hist, hist);
 }
 
 // ------------------------------------------------------------------- top-k
+//
+// One launch (fm_select), one pass over the scores. Every block finds the
+// threshold bin b of the scoring kernel's histogram (the highest bin with
+// count(bins > b) < want <= count(bins >= b)), then files its keys: above b
+// into `sure` (certainly in the top-k), in b into `tie`. The last block to
+// finish narrows the ties to the `want - n_sure` best with 8-bit radix passes
+// (in shared memory when they fit), writes the ids of the `want` winners in
+// descending 64-bit key order (score key << 32 | ~id: descending score, ties
+// to the lower id) by their histogram position (-1 padded, all -1 after a
+// recorded error) and
+// leaves the histogram and counters zeroed for the next call (graph replay
+// needs no memset).
 
 // Per-sequence selection state; zero between calls (the last block resets it).
 struct SelectState {
@@ -887,11 +1004,10 @@ struct SelectState {
 
 struct SelectSeq {
     const u32* skey;   // [n]
-    u32* hist;         // [2][FM_HIST]: counts of the top FM_HIST_BITS bits of skey,
-                       // then of the next FM_HIST_BITS bits (threshold bin only)
+    u32* hist;         // [FM_HIST_WORDS] fine and coarse counts of skey (flush_hist)
     SelectState* st;
-    u64* sure;         // [k] key64 of candidates certainly in the top-k
-    u64* tie;          // [n] key64 of candidates sharing the threshold prefix
+    u64* sure;         // [FM_RANK_MAX] key64 of candidates certainly in the top-k
+    u64* tie;          // [n] key64 of candidates in the threshold bin
     i32* out;          // [k] result
     u32 n;
     u32 pad;
@@ -903,38 +1019,55 @@ struct SelectBatch {
     SelectSeq seq[FM_MAX_BATCH];
 };
 
-#define FM_SEL_THREADS 1024
-#define FM_SEL_ITEMS 8     // keys per thread in the candidate pass
-#define FM_RANK_MAX 2048   // room for candidates in shared memory
-#define FM_RANK_SMALL 256  // a boundary group this small is ranked by counting
+#define FM_SEL_THREADS 512
+#define FM_SEL_ITEMS 4      // keys per thread
+#define FM_RANK_MAX 2048    // the largest k
+#define FM_TIE_SMEM 6144    // ties narrowed in shared memory when they fit (else read from global);
+                            // afterwards the space holds the ordering scratch:
+                            // FM_RANK_MAX keys + 2 * FM_HIST words
+static_assert(FM_TIE_SMEM * 8 >= FM_RANK_MAX * 8 + 2 * FM_HIST * 4, "ordering scratch fits in the ties' space");
+#define FM_GROUP_MAX 512    // a boundary group this small is ranked by counting
 
 __device__ __forceinline__ u64 key64(u32 skey, u32 id) { return ((u64)skey << 32) | (u64)(0xFFFFFFFFu - id); }
 
-// The threshold bin: the highest bin b with count(bins > b) < want <= count(bins >= b).
-// Returns b and writes the count above it. Every thread gets the result.
+// Within 64 bins h[0..64) (the caller's view), the bin b with
+// count(> b) < want <= count(>= b), and the count above it. One warp, every
+// lane gets the result; lane l holds bins 63 - 2l and 62 - 2l.
+__device__ __forceinline__ u32 warp_threshold64(u32 hi_bin, u32 lo_bin, u32 want, u32* above_out) {
+    const u32 lane = threadIdx.x & 31u;
+    const u32 local = hi_bin + lo_bin;
+    u32 incl = local;
+#pragma unroll
+    for (u32 off = 1; off < 32; off <<= 1) {
+        const u32 y = __shfl_up_sync(KVS_FULL_MASK, incl, off);
+        if (lane >= off) incl += y;
+    }
+    const u32 before = incl - local;
+    const u32 hit = __ballot_sync(KVS_FULL_MASK, before < want && incl >= want);
+    const u32 src = hit ? __ffs(hit) - 1 : 0u;
+    const bool upper = before + hi_bin >= want;
+    const u32 bin = 63 - 2 * lane - (upper ? 0u : 1u);
+    const u32 above = upper ? before : before + hi_bin;
+    *above_out = __shfl_sync(KVS_FULL_MASK, above, src);
+    return __shfl_sync(KVS_FULL_MASK, bin, src);
+}
+
+// The threshold bin: the highest fine bin b with count(bins > b) < want <=
+// count(bins >= b), from the coarse bins and then the 64 fine bins of the
+// chosen coarse one (two reads by one warp). Returns b and writes the count
+// above it. Every thread of the block gets the result.
 __device__ u32 threshold_bin(const u32* hist, u32 want, u32* above_out) {
     __shared__ u32 s_bin, s_above;
-    // Suffix sums from the top: thread t owns bins [FM_HIST - (t+1)*per, FM_HIST - t*per).
-    const u32 per = FM_HIST / blockDim.x;  // blockDim.x divides FM_HIST
-    const u32 hi = FM_HIST - threadIdx.x * per;
-    u32 local = 0;
-    for (u32 b = hi - per; b < hi; ++b) local += hist[b];
-    u32 total;
-    const u32 before = block_exclusive_sum(local, &total);  // count in bins above this thread's run
-    if (threadIdx.x == 0) {
-        s_bin = 0;
-        s_above = 0;
-    }
-    __syncthreads();
-    if (before < want && before + local >= want) {
-        u32 acc = before;
-        for (u32 b = hi; b-- > hi - per;) {
-            if (acc + hist[b] >= want) {
-                s_bin = b;
-                s_above = acc;
-                break;
-            }
-            acc += hist[b];
+    if (threadIdx.x < 32) {
+        const u32 lane = threadIdx.x;
+        u32 above_c, above_f;
+        const u32* coarse = hist + FM_HIST;
+        const u32 c = warp_threshold64(coarse[63 - 2 * lane], coarse[62 - 2 * lane], want, &above_c);
+        const u32* fine = hist + c * FM_FINE_PER_COARSE;
+        const u32 f = warp_threshold64(fine[63 - 2 * lane], fine[62 - 2 * lane], want - above_c, &above_f);
+        if (lane == 0) {
+            s_bin = c * FM_FINE_PER_COARSE + f;
+            s_above = above_c + above_f;
         }
     }
     __syncthreads();
@@ -942,239 +1075,260 @@ __device__ u32 threshold_bin(const u32* hist, u32 want, u32* above_out) {
     return s_bin;
 }
 
-// Ranks `m` unique 64-bit keys held in shared memory by counting: rank = how
-// many keys are larger. Calls emit(i, rank) for each.
-template <typename Emit>
-__device__ void rank_by_count(const u64* keys, u32 m, Emit emit) {
-    for (u32 i = threadIdx.x; i < m; i += blockDim.x) {
-        const u64 k = keys[i];
-        u32 r = 0;
-        for (u32 j = 0; j < m; ++j) r += keys[j] > k;
-        emit(i, r);
+// The digit d of a 256-bin histogram (shared memory) with count(> d) < want
+// <= count(>= d), found by one warp (suffix sums over lanes); the result is in
+// *s_digit, *s_above after the caller's next __syncthreads.
+__device__ void threshold_digit(const u32* h, u32 want, u32* s_digit, u32* s_above) {
+    if (threadIdx.x >= 32) return;
+    const u32 lane = threadIdx.x;
+    const u32 hi = 256 - 8 * lane;  // lane l owns bins [hi - 8, hi), lane 0 the top ones
+    u32 local = 0;
+#pragma unroll
+    for (u32 b = hi - 8; b < hi; ++b) local += h[b];
+    u32 incl = local;
+#pragma unroll
+    for (u32 off = 1; off < 32; off <<= 1) {
+        const u32 y = __shfl_up_sync(KVS_FULL_MASK, incl, off);
+        if (lane >= off) incl += y;
+    }
+    const u32 before = incl - local;
+    if (before < want && incl >= want) {
+        u32 acc = before;
+        for (u32 b = hi; b-- > hi - 8;) {
+            if (acc + h[b] >= want) {
+                *s_digit = b;
+                *s_above = acc;
+                break;
+            }
+            acc += h[b];
+        }
     }
 }
 
-// Narrows `keys[0..m)` (shared memory) to the top `want` by key64 with 8-bit
-// radix passes below the FM_HIST_BITS already equal, appending the certain
-// ones to `fin`, until the boundary group is small; then ranks that group by
-// counting. One block.
-__device__ void select_in_smem(u64* keys, u32 m, u32 want, u64* fin, u32* nfin) {
+// How many of x[0..m) (shared memory) exceed k; four independent loads per
+// step keep the shared-memory pipeline busy.
+__device__ __forceinline__ u32 count_greater(const u64* x, u32 m, u64 k) {
+    u32 r0 = 0, r1 = 0, r2 = 0, r3 = 0, j = 0;
+    for (; j + 4 <= m; j += 4) {
+        const u64 a = x[j], b = x[j + 1], c = x[j + 2], d = x[j + 3];
+        r0 += a > k;
+        r1 += b > k;
+        r2 += c > k;
+        r3 += d > k;
+    }
+    for (; j < m; ++j) r0 += x[j] > k;
+    return (r0 + r1) + (r2 + r3);
+}
+
+// counters[bin]++ for the calling lanes with `valid`, returning each one's
+// old count plus its rank among the lanes of its warp with the same bin: one
+// shared atomic per distinct bin and warp (same-address atomics serialise,
+// and winners or ties often share a bin). Any subset of a warp may call it.
+__device__ __forceinline__ u32 count_in_bin(u32* counters, u32 bin, bool valid) {
+    const u32 mask = __activemask();
+    const u32 peers = __match_any_sync(mask, valid ? bin : 0xFFFFFFFFu);
+    const u32 lane = threadIdx.x & 31u, leader = __ffs(peers) - 1;
+    u32 base = 0;
+    if (valid && lane == leader) base = atomicAdd(&counters[bin], (u32)__popc(peers));
+    base = __shfl_sync(mask, base, leader);
+    return base + __popc(peers & ((1u << lane) - 1u));
+}
+
+// list[(*count)++] = k for the calling lanes with p, one shared atomic per
+// warp (same-address atomics serialise). Lanes that reach it together are
+// aggregated; any subset of a warp may call it.
+__device__ __forceinline__ void push_key(u64* list, u32* count, u64 k, bool p) {
+    const u32 mask = __activemask();
+    const u32 b = __ballot_sync(mask, p);
+    if (!b) return;
+    const u32 lane = threadIdx.x & 31u, leader = __ffs(b) - 1;
+    u32 base = 0;
+    if (lane == leader) base = atomicAdd(count, (u32)__popc(b));
+    base = __shfl_sync(mask, base, leader);
+    if (p) list[base + __popc(b & ((1u << lane) - 1u))] = k;
+}
+
+// Narrows keys[0..m) (shared or global memory; all equal above bit `shift`)
+// to their top `want` by key64: 8-bit radix passes append the certain keys
+// to fin (at *nfin) until the boundary group holds at most FM_GROUP_MAX keys,
+// which are then ranked by counting. One block; every thread must call it.
+// GLOBAL: keys written by other blocks of this launch, read through L2.
+template <bool GLOBAL>
+__device__ __forceinline__ u64 load_key(const u64* keys, u32 i) {
+    if constexpr (GLOBAL) return __ldcg(keys + i);
+    else return keys[i];
+}
+
+template <bool GLOBAL>
+__device__ __forceinline__ void narrow_topk(const u64* keys, u32 m, u32 want, int shift, u64* fin, u32* nfin) {
     __shared__ u32 s_hist[256];
     __shared__ u32 s_digit, s_above, s_cnt;
+    __shared__ u64 s_group[FM_GROUP_MAX];
     u64 prefix = 0, mask = 0;
-    int shift = 64 - FM_HIST_BITS;
     u32 group = m;
-    while (group > FM_RANK_SMALL && shift > 0) {
+    while (group > FM_GROUP_MAX && shift > 0) {
         shift = shift >= 8 ? shift - 8 : 0;
         for (u32 i = threadIdx.x; i < 256; i += blockDim.x) s_hist[i] = 0;
         __syncthreads();
-        for (u32 i = threadIdx.x; i < m; i += blockDim.x)
-            if ((keys[i] & mask) == prefix) atomicAdd(&s_hist[(keys[i] >> shift) & 0xffu], 1u);
-        __syncthreads();
-        if (threadIdx.x < 32) {  // one warp finds the digit: suffix sums over 256 bins
-            u32 acc = 0, digit = 0, above = 0;
-            bool found = false;
-            for (int d = 255; d >= 0 && !found; --d) {
-                if (acc + s_hist[d] >= want) {
-                    digit = (u32)d;
-                    above = acc;
-                    found = true;
-                } else acc += s_hist[d];
-            }
-            if (threadIdx.x == 0) {
-                s_digit = digit;
-                s_above = above;
-            }
+        for (u32 i = threadIdx.x; i < m; i += blockDim.x) {
+            const u64 k = load_key<GLOBAL>(keys, i);
+            count_in_bin(s_hist, (u32)(k >> shift) & 0xffu, (k & mask) == prefix);
         }
         __syncthreads();
+        threshold_digit(s_hist, want, &s_digit, &s_above);
+        __syncthreads();
         const u32 digit = s_digit;
-        for (u32 i = threadIdx.x; i < m; i += blockDim.x)
-            if ((keys[i] & mask) == prefix && ((keys[i] >> shift) & 0xffu) > digit) fin[atomicAdd(nfin, 1u)] = keys[i];
+        for (u32 i = threadIdx.x; i < m; i += blockDim.x) {
+            const u64 k = load_key<GLOBAL>(keys, i);
+            push_key(fin, nfin, k, (k & mask) == prefix && ((k >> shift) & 0xffu) > digit);
+        }
         want -= s_above;
         group = s_hist[digit];
         prefix |= (u64)digit << shift;
         mask |= (u64)0xff << shift;
         __syncthreads();
     }
-    // Compact the boundary group to the front and rank it.
+    // The boundary group (at most FM_GROUP_MAX keys: key64s are unique, so a
+    // group with all 64 bits fixed has one key) into shared memory, ranked.
     if (threadIdx.x == 0) s_cnt = 0;
     __syncthreads();
-    u64 mine[2];
-    u32 nmine = 0;
-    for (u32 i = threadIdx.x; i < m; i += blockDim.x)
-        if ((keys[i] & mask) == prefix && nmine < 2) mine[nmine++] = keys[i];
-    __syncthreads();
-    for (u32 j = 0; j < nmine; ++j) keys[atomicAdd(&s_cnt, 1u)] = mine[j];
+    for (u32 i = threadIdx.x; i < m; i += blockDim.x) {
+        const u64 k = load_key<GLOBAL>(keys, i);
+        push_key(s_group, &s_cnt, k, (k & mask) == prefix);
+    }
     __syncthreads();
     const u32 g = s_cnt;
-    rank_by_count(keys, g, [&](u32 i, u32 r) {
-        if (r < want) fin[atomicAdd(nfin, 1u)] = keys[i];
-    });
+    for (u32 i = threadIdx.x; i < g; i += blockDim.x) {
+        const u64 k = s_group[i];
+        const u32 r = count_greater(s_group, g, k);
+        push_key(fin, nfin, k, r < want);
+    }
     __syncthreads();
 }
 
-// Exact top-`want` of the `nt` candidates in `tie` (global, key64), appended
-// to `fin` (at *nfin). When they fit, they are loaded into shared memory
-// once; otherwise 8-bit radix passes over the (contiguous) list narrow them
-// first. One block.
-__device__ void select_ties(const u64* tie, u32 nt, u32 want, u64* fin, u32* nfin, u64* scratch) {
-    __shared__ u32 s_hist[256];
-    __shared__ u32 s_digit, s_above, s_cnt;
-    u64 prefix = 0, mask = 0;
-    int shift = 64 - 2 * FM_HIST_BITS;  // the top 24 bits are already equal
-    u32 group = nt;
-    while (group > FM_RANK_MAX && shift > 0) {
-        shift = shift >= 8 ? shift - 8 : 0;
-        for (u32 i = threadIdx.x; i < 256; i += blockDim.x) s_hist[i] = 0;
-        __syncthreads();
-        for (u32 i = threadIdx.x; i < nt; i += blockDim.x) {
-            const u64 k = tie[i];
-            if ((k & mask) == prefix) atomicAdd(&s_hist[(k >> shift) & 0xffu], 1u);
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            u32 acc = 0;
-            for (int d = 255; d >= 0; --d) {
-                if (acc + s_hist[d] >= want) {
-                    s_digit = (u32)d;
-                    s_above = acc;
-                    break;
-                }
-                acc += s_hist[d];
-            }
-        }
-        __syncthreads();
-        const u32 digit = s_digit;
-        for (u32 i = threadIdx.x; i < nt; i += blockDim.x) {
-            const u64 k = tie[i];
-            if ((k & mask) == prefix && ((k >> shift) & 0xffu) > digit) fin[atomicAdd(nfin, 1u)] = k;
-        }
-        want -= s_above;
-        prefix |= (u64)digit << shift;
-        mask |= (u64)0xff << shift;
-        group = s_hist[digit];
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) s_cnt = 0;
-    __syncthreads();
-    for (u32 i = threadIdx.x; i < nt; i += blockDim.x) {
-        const u64 k = tie[i];
-        if ((k & mask) == prefix) scratch[atomicAdd(&s_cnt, 1u)] = k;
-    }
-    __syncthreads();
-    select_in_smem(scratch, s_cnt, want, fin, nfin);
-}
-
-// Reads this block's FM_SEL_ITEMS keys per thread and classifies them:
-// 2 = in the top-k for sure, 1 = tie candidate, 0 = out.
-template <typename Classify>
-__device__ __forceinline__ void classify_block(const SelectSeq& S, u32* skeys, u32* cls, Classify f) {
-    const u32 lo = blockIdx.x * (FM_SEL_THREADS * FM_SEL_ITEMS);
+// Writes the ids of the `m` winners fin[0..m) to out[0..m) in descending
+// key64 order without a sort: a winner of fine bin b goes to above(b) + its
+// rank among the winners of b, above(b) = winners in bins > b. The winners
+// are first grouped by bin (tmp, shared), then each ranks itself inside its
+// group (a few keys, except when many scores share one bin). `hist` is the
+// global histogram; tmp (m keys), above and fill (FM_HIST words each) are
+// shared scratch. One block.
+__device__ __forceinline__ void write_in_order(const u64* fin, u32 m, const u32* hist, u64* tmp, u32* above, u32* fill, i32* out) {
+    // above[b] for every bin: suffix sums over runs of PER bins per thread
+    // (blockDim.x == FM_SEL_THREADS).
+    constexpr u32 PER = FM_HIST / FM_SEL_THREADS;
+    static_assert(FM_HIST % FM_SEL_THREADS == 0, "whole runs of bins per thread");
+    const u32 hi = FM_HIST - threadIdx.x * PER;
+    u32 v[PER], local = 0;
 #pragma unroll
-    for (u32 j = 0; j < FM_SEL_ITEMS; ++j) {
-        const u32 c = lo + j * FM_SEL_THREADS + threadIdx.x;
-        skeys[j] = c < S.n ? S.skey[c] : 0u;
+    for (u32 j = 0; j < PER; ++j) {  // all loads in flight before any use
+        v[j] = __ldcg(hist + hi - PER + j);
     }
 #pragma unroll
-    for (u32 j = 0; j < FM_SEL_ITEMS; ++j) {
-        const u32 c = lo + j * FM_SEL_THREADS + threadIdx.x;
-        cls[j] = c < S.n ? f(skeys[j]) : 0u;
-    }
-}
-
-// Appends this block's items of class `want_cls` to `list` (key64), one
-// global atomic per block.
-__device__ void append_block(const SelectSeq& S, const u32* skeys, const u32* cls, u32 want_cls, u32* count, u64* list) {
-    __shared__ u32 s_base;
-    u32 n = 0;
-#pragma unroll
-    for (u32 j = 0; j < FM_SEL_ITEMS; ++j) n += cls[j] == want_cls;
+    for (u32 j = 0; j < PER; ++j) local += v[j];
     u32 total;
-    u32 at = block_exclusive_sum(n, &total);
-    if (threadIdx.x == 0) s_base = total ? atomicAdd(count, total) : 0u;
-    __syncthreads();
-    at += s_base;
-    const u32 lo = blockIdx.x * (FM_SEL_THREADS * FM_SEL_ITEMS);
+    u32 acc = block_exclusive_sum(local, &total);
 #pragma unroll
-    for (u32 j = 0; j < FM_SEL_ITEMS; ++j)
-        if (cls[j] == want_cls) list[at++] = key64(skeys[j], lo + j * FM_SEL_THREADS + threadIdx.x);
+    for (u32 j = PER; j-- > 0;) {
+        above[hi - PER + j] = acc;
+        acc += v[j];
+        fill[hi - PER + j] = 0;
+    }
+    __syncthreads();
+    // Group by bin: winner i to above[b] + (arrival order in b).
+    for (u32 i = threadIdx.x; i < m; i += blockDim.x) {
+        const u64 k = fin[i];
+        const u32 b = (u32)(k >> (64 - FM_HIST_BITS));
+        tmp[above[b] + count_in_bin(fill, b, true)] = k;
+    }
+    __syncthreads();
+    // Rank inside the group: fill[b] now counts the winners of b.
+    for (u32 i = threadIdx.x; i < m; i += blockDim.x) {
+        const u64 k = tmp[i];
+        const u32 b = (u32)(k >> (64 - FM_HIST_BITS));
+        const u32 lo = above[b], cnt = fill[b];
+        const u32 r = count_greater(tmp + lo, cnt, k);
+        out[lo + r] = (i32)(0xFFFFFFFFu - (u32)k);
+    }
 }
 
-// Pass 1 of the selection. Grid: (ceil(n / (FM_SEL_THREADS * FM_SEL_ITEMS)),
-// sequences). From the score kernel's histogram, the threshold bin b1: keys
-// above it are in the top-k (appended to `sure`); for keys in it, a second
-// histogram of the next FM_HIST_BITS bits.
-extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select1(SelectBatch B) {
-    __shared__ u32 sh_hist2[FM_HIST];
+// Grid: (ceil(n / (FM_SEL_THREADS * FM_SEL_ITEMS)), sequences), FM_SEL_THREADS
+// threads, (FM_RANK_MAX + FM_TIE_SMEM) * 8 bytes of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBatch B, const u32* err) {
+    extern __shared__ u64 sh_keys[];  // fin [FM_RANK_MAX] | ties [FM_TIE_SMEM]
+    __shared__ u32 s_last, s_nfin, s_base_sure, s_base_tie;
     wait_prerequisites();  // skey and hist come from the scoring kernel
     allow_dependents();
     const SelectSeq& S = B.seq[blockIdx.y];
-    const u32 want = min(B.k, S.n);
+    const u32 n = S.n;
+    const u32 want = min(B.k, n);
+    const u32 lo = blockIdx.x * (FM_SEL_THREADS * FM_SEL_ITEMS);
+    u32 skeys[FM_SEL_ITEMS];
+#pragma unroll
+    for (u32 j = 0; j < FM_SEL_ITEMS; ++j) {  // in flight while the threshold is found
+        const u32 c = lo + j * FM_SEL_THREADS + threadIdx.x;
+        skeys[j] = c < n ? S.skey[c] : 0u;
+    }
     u32 above;
     const u32 b1 = threshold_bin(S.hist, want, &above);
-    for (u32 i = threadIdx.x; i < FM_HIST; i += blockDim.x) sh_hist2[i] = 0;
-    u32 skeys[FM_SEL_ITEMS], cls[FM_SEL_ITEMS];
-    classify_block(S, skeys, cls, [&](u32 k) {
-        const u32 b = k >> (32 - FM_HIST_BITS);
-        return b > b1 ? 2u : (b == b1 ? 1u : 0u);
-    });
-    __syncthreads();
+    // 0 = out, 1 = tie, 2 = sure; counts packed sure | tie << 16 (< 2^16 each per block).
+    u32 cls[FM_SEL_ITEMS], packed = 0;
 #pragma unroll
-    for (u32 j = 0; j < FM_SEL_ITEMS; ++j)
-        hist_add(sh_hist2, (skeys[j] >> (32 - 2 * FM_HIST_BITS)) & (FM_HIST - 1u), cls[j] == 1u);
-    append_block(S, skeys, cls, 2u, &S.st->n_sure, S.sure);
+    for (u32 j = 0; j < FM_SEL_ITEMS; ++j) {
+        const u32 c = lo + j * FM_SEL_THREADS + threadIdx.x;
+        const u32 b = skeys[j] >> (32 - FM_HIST_BITS);
+        cls[j] = c >= n ? 0u : (b > b1 ? 2u : (b == b1 ? 1u : 0u));
+        packed += cls[j] == 2u ? 1u : (cls[j] == 1u ? 0x10000u : 0u);
+    }
+    u32 total;
+    const u32 at = block_exclusive_sum(packed, &total);
+    if (threadIdx.x == 0) {
+        s_base_sure = (total & 0xffffu) ? atomicAdd(&S.st->n_sure, total & 0xffffu) : 0u;
+        s_base_tie = (total >> 16) ? atomicAdd(&S.st->n_tie, total >> 16) : 0u;
+    }
     __syncthreads();
-    for (u32 i = threadIdx.x; i < FM_HIST; i += blockDim.x)
-        if (sh_hist2[i]) atomicAdd(&S.hist[FM_HIST + i], sh_hist2[i]);
-}
-
-// Pass 2. Grid as pass 1, FM_SEL_THREADS threads, 2 * FM_RANK_MAX * 8 bytes
-// of dynamic shared memory. The threshold bin b2 of the second histogram:
-// keys of b1 above it join `sure`, keys of (b1, b2) go to `tie`. The last
-// block to finish picks the exact top-k of sure + tie by key64, writes the
-// ids in descending order (-1 padded; all -1 after a recorded error) and
-// leaves the histograms and counters zeroed for the next call.
-extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select2(SelectBatch B, const u32* err) {
-    extern __shared__ u64 sh_keys[];  // fin [FM_RANK_MAX] | scratch [FM_RANK_MAX]
-    __shared__ u32 s_last, s_nfin;
-    wait_prerequisites();  // pass 1 complete
-    const SelectSeq& S = B.seq[blockIdx.y];
-    const u32 want = min(B.k, S.n);
-    u32 above1, above2;
-    const u32 b1 = threshold_bin(S.hist, want, &above1);
-    const u32 b2 = threshold_bin(S.hist + FM_HIST, want - above1, &above2);
-    u32 skeys[FM_SEL_ITEMS], cls[FM_SEL_ITEMS];
-    classify_block(S, skeys, cls, [&](u32 k) {
-        if (k >> (32 - FM_HIST_BITS) != b1) return 0u;
-        const u32 b = (k >> (32 - 2 * FM_HIST_BITS)) & (FM_HIST - 1u);
-        return b > b2 ? 2u : (b == b2 ? 1u : 0u);
-    });
-    append_block(S, skeys, cls, 2u, &S.st->n_sure, S.sure);
+    u32 at_sure = s_base_sure + (at & 0xffffu), at_tie = s_base_tie + (at >> 16);
+#pragma unroll
+    for (u32 j = 0; j < FM_SEL_ITEMS; ++j) {
+        const u32 c = lo + j * FM_SEL_THREADS + threadIdx.x;
+        if (cls[j] == 2u) S.sure[at_sure++] = key64(skeys[j], c);
+        else if (cls[j] == 1u) S.tie[at_tie++] = key64(skeys[j], c);
+    }
+    // The last block of this sequence to finish picks the result. One thread
+    // fences for the block after the barrier (the cooperative-groups grid
+    // sync pattern): the block's candidate writes are ordered before its
+    // count, and the last block's reads after every count.
     __syncthreads();
-    append_block(S, skeys, cls, 1u, &S.st->n_tie, S.tie);
-    // The last block of this sequence to finish picks the result.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(&S.st->done, 1u) == gridDim.x - 1;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        s_last = atomicAdd(&S.st->done, 1u) == gridDim.x - 1;
+        if (s_last) __threadfence();
+    }
     __syncthreads();
     if (!s_last) return;
-    __threadfence();
     const u32 ns = *(volatile u32*)&S.st->n_sure, nt = *(volatile u32*)&S.st->n_tie;
     u64* fin = sh_keys;
-    u64* scratch = sh_keys + FM_RANK_MAX;
-    for (u32 i = threadIdx.x; i < ns; i += blockDim.x) fin[i] = ((volatile u64*)S.sure)[i];
+    u64* ties = sh_keys + FM_RANK_MAX;
+    for (u32 i = threadIdx.x; i < ns; i += blockDim.x) fin[i] = __ldcg(S.sure + i);
     if (threadIdx.x == 0) s_nfin = ns;
+    const bool in_smem = nt <= FM_TIE_SMEM;
+    if (in_smem)
+        for (u32 i = threadIdx.x; i < nt; i += blockDim.x) ties[i] = __ldcg(S.tie + i);
     __syncthreads();
-    select_ties(S.tie, nt, want - ns, fin, &s_nfin, scratch);
-    const bool failed = err[0] != 0;
-    // Sort by rank and write ids; -1 past min(k, n) or after an error.
-    for (u32 i = threadIdx.x; i < B.k; i += blockDim.x) S.out[i] = -1;
-    __syncthreads();
-    if (!failed) {
-        rank_by_count(fin, want, [&](u32 i, u32 r) { S.out[r] = (i32)(0xFFFFFFFFu - (u32)fin[i]); });
+    // Ties share the top FM_HIST_BITS bits of the 64-bit key.
+    if (in_smem) narrow_topk<false>(ties, nt, want - ns, 64 - FM_HIST_BITS, fin, &s_nfin);
+    else narrow_topk<true>(S.tie, nt, want - ns, 64 - FM_HIST_BITS, fin, &s_nfin);
+    if (err[0] != 0) {  // a recorded error: no garbage, all -1
+        for (u32 i = threadIdx.x; i < B.k; i += blockDim.x) S.out[i] = -1;
+    } else {
+        // The ties are consumed: their space holds tmp, above and fill.
+        u32* above = (u32*)(ties + FM_RANK_MAX);
+        write_in_order(fin, want, S.hist, ties, above, above + FM_HIST, S.out);
+        for (u32 i = want + threadIdx.x; i < B.k; i += blockDim.x) S.out[i] = -1;
     }
+    __syncthreads();  // every read of the histogram is done
     // Leave the state zeroed for the next call.
-    for (u32 i = threadIdx.x; i < 2 * FM_HIST; i += blockDim.x) S.hist[i] = 0;
+    for (u32 i = threadIdx.x; i < FM_HIST_WORDS; i += blockDim.x) S.hist[i] = 0;
     if (threadIdx.x == 0) {
         S.st->n_sure = 0;
         S.st->n_tie = 0;

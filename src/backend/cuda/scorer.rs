@@ -22,8 +22,19 @@ use std::sync::{Arc, Mutex, OnceLock};
 /// Sequences per launch (`FM_MAX_BATCH` in kernels/scorer.cu).
 pub const MAX_BATCH: usize = 64;
 const HIST: usize = 4096;
+/// fm_score_wg: warpgroups per block and tiles in flight per warpgroup
+/// (WG_GROUPS, WG_STAGES in kernels/scorer.cu).
+const WG_GROUPS: usize = 3;
+const WG_STAGES: usize = 3;
+/// Words of a sequence's global histogram: HIST fine + 64 coarse bins (FM_HIST_WORDS).
+const HIST_WORDS: usize = HIST + 64;
 const TOPK_MAX: usize = 2048;
-const SEL_THREADS: u32 = 1024;
+/// fm_select: threads per block, keys per thread, and the tie candidates it
+/// narrows in shared memory (FM_SEL_THREADS, FM_SEL_ITEMS, FM_TIE_SMEM).
+const SEL_THREADS: u32 = 512;
+const SEL_ITEMS: u32 = 4;
+const TIE_SMEM: usize = 6144;
+const SEL_SMEM: u32 = ((TOPK_MAX + TIE_SMEM) * 8) as u32;
 /// Dynamic shared memory of fm_project_*_b{1,8,64}: MAXB x KT x 4 bytes.
 const PROJECT_SMEM: [u32; 3] = [4096 * 4, 8 * 1024 * 4, 64 * 256 * 4];
 /// Weight rows per projection block (`FM_PROJ_ROWS`, one warp each).
@@ -112,7 +123,7 @@ impl Workspace {
             q: DeviceBuffer::alloc(seqs * q_elems * 2, "scorer q")?,
             w: DeviceBuffer::alloc(seqs * w_elems * 4, "scorer w")?,
             skey: DeviceBuffer::alloc(seqs * chunks * 4, "scorer keys")?,
-            hist: DeviceBuffer::alloc(seqs * 2 * HIST * 4, "scorer histograms")?,
+            hist: DeviceBuffer::alloc(seqs * HIST_WORDS * 4, "scorer histograms")?,
             state: DeviceBuffer::alloc(seqs * 16, "scorer select state")?,
             sure: DeviceBuffer::alloc(seqs * TOPK_MAX * 8, "scorer candidates")?,
             tie: DeviceBuffer::alloc(seqs * chunks * 8, "scorer candidates")?,
@@ -127,7 +138,7 @@ impl Workspace {
     fn clear(&self, s: CUstream) -> Result<()> {
         // SAFETY: each buffer holds the number of words cleared.
         unsafe {
-            driver::memset_d32_async(self.hist.ptr, 0, self.seqs * 2 * HIST, s)?;
+            driver::memset_d32_async(self.hist.ptr, 0, self.seqs * HIST_WORDS, s)?;
             driver::memset_d32_async(self.state.ptr, 0, self.seqs * 4, s)?;
             driver::memset_d32_async(self.err.ptr, 0, 4, s)?;
         }
@@ -216,8 +227,8 @@ pub struct CudaScorer {
     weights: DeviceBuffer,
     project: [Kernel; 3],
     score: Kernel,
-    /// fm_select1, fm_select2.
-    select: [Kernel; 2],
+    /// fm_select.
+    select: Kernel,
     score_smem: u32,
     /// Chunks per block tile and threads per block of the scoring kernel.
     score_tile: u32,
@@ -265,9 +276,10 @@ impl CudaScorer {
         // Hopper's warpgroup MMA when the shape fits one m64nNk16 row
         // (KVSWAP_FM_KERNEL=mma forces the portable mma.sync kernel).
         let forced = std::env::var("KVSWAP_FM_KERNEL").unwrap_or_default();
-        // fm_score_wg: Q + a ring of 4 tiles (bf16) or 4 raw fp8 tiles and one
-        // bf16 compute tile, + 1024 alignment slack; its histogram is static.
-        let wg_ring = (4 * 128 * d * 2).max(4 * 128 * d + 128 * d * 2);
+        // fm_score_wg: Q + per warpgroup a ring of WG_STAGES 64-row tiles
+        // (bf16) or WG_STAGES raw fp8 tiles and one bf16 compute tile, + 1024
+        // alignment slack; its histogram is static.
+        let wg_ring = WG_GROUPS * (WG_STAGES * 64 * d * 2).max(WG_STAGES * 64 * d + 64 * d * 2);
         let wg_smem = (s * h * d * 2 + wg_ring + 1024) as u32;
         let wg_smem_total = wg_smem as usize + HIST * 4;
         let wgmma = dev.cc == (9, 0)
@@ -321,14 +333,14 @@ impl CudaScorer {
         let (score, score_smem, score_tile, score_threads) = if wgmma {
             let k = f("fm_score_wg".into())?;
             k.set_max_dynamic_smem(wg_smem as i32)?;
-            (k, wg_smem, 128u32, 256u32)
+            (k, wg_smem, 64 * WG_GROUPS as u32, 128 * WG_GROUPS as u32)
         } else {
             let k = f("fm_score".into())?;
             k.set_max_dynamic_smem(score_smem as i32)?;
             (k, score_smem, 64u32, 32 * score_warps(s, h))
         };
-        let select = [f("fm_select1".into())?, f("fm_select2".into())?];
-        select[1].set_max_dynamic_smem((2 * TOPK_MAX * 8) as i32)?;
+        let select = f("fm_select".into())?;
+        select.set_max_dynamic_smem(SEL_SMEM as i32)?;
         let pdl = dev.cc.0 >= 9;
         drop(_g);
         log::info!(
@@ -477,7 +489,7 @@ impl CudaScorer {
                     return self.run_split(seqs, qw, k, ensemble, stream);
                 }
                 let skey = ws.skey.ptr + (i * ws.chunks * 4) as u64;
-                let hist = ws.hist.ptr + (i * 2 * HIST * 4) as u64;
+                let hist = ws.hist.ptr + (i * HIST_WORDS * 4) as u64;
                 sb.seq[i] = ScoreSeq {
                     keys: q.keys.data,
                     scales: q.keys.scales,
@@ -505,8 +517,7 @@ impl CudaScorer {
             let mut params = [&mut sb as *mut ScoreBatch as *mut c_void, &mut err as *mut u64 as *mut c_void];
             // SAFETY: parameters match fm_score(ScoreBatch, u32*); keys checked above.
             unsafe { self.launch.dependent(&self.score, (per_seq, b as u32), self.score_threads, self.score_smem, s, &mut params)? };
-            // fm_select covers SEL_THREADS * 8 chunks per block.
-            let sel_blocks = (max_chunks as u32).div_ceil(SEL_THREADS * 8);
+            let sel_blocks = (max_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
             launch_select(&self.launch, &self.select, &mut sel, sel_blocks, err, s)?;
         }
         if self.sync {
@@ -564,17 +575,14 @@ impl CudaScorer {
     }
 }
 
-/// The two selection passes (kernels/scorer.cu: fm_select1, fm_select2), each
-/// a programmatic dependent of the kernel before it.
-fn launch_select(launch: &Launch, k: &[Kernel; 2], sel: &mut SelectBatch, blocks: u32, err: u64, s: CUstream) -> Result<()> {
+/// The selection (kernels/scorer.cu: fm_select), a programmatic dependent of
+/// the scoring kernel.
+fn launch_select(launch: &Launch, k: &Kernel, sel: &mut SelectBatch, blocks: u32, err: u64, s: CUstream) -> Result<()> {
     let mut err = err;
     let grid = (blocks, sel.n_seqs);
-    let mut params = [sel as *mut SelectBatch as *mut c_void];
-    // SAFETY: parameters match fm_select1(SelectBatch); buffers sized by the workspace.
-    unsafe { launch.dependent(&k[0], grid, SEL_THREADS, 0, s, &mut params)? };
     let mut params = [sel as *mut SelectBatch as *mut c_void, &mut err as *mut u64 as *mut c_void];
-    // SAFETY: parameters match fm_select2(SelectBatch, const u32*).
-    unsafe { launch.dependent(&k[1], grid, SEL_THREADS, (2 * TOPK_MAX * 8) as u32, s, &mut params) }
+    // SAFETY: parameters match fm_select(SelectBatch, const u32*); buffers sized by the workspace.
+    unsafe { launch.dependent(k, grid, SEL_THREADS, SEL_SMEM, s, &mut params) }
 }
 
 fn score_warps(scorers: usize, heads: usize) -> u32 {
@@ -623,7 +631,7 @@ impl ScorerBackend for CudaScorer {
 /// The key-bounds scorer on one GPU (shared by every call on that device).
 pub struct CudaBounds {
     bounds: Kernel,
-    select: [Kernel; 2],
+    select: Kernel,
     sync: bool,
     workspaces: Mutex<HashMap<u64, Workspace>>,
     _module: Module,
@@ -648,8 +656,8 @@ impl CudaBounds {
         let cubin = super::nvrtc::compile_cached("scorer.cu", crate::kernels::SCORER_CU, dev.cc)?;
         let module = Module::load(&cubin)?;
         let bounds = module.function(c"fm_bounds_score")?;
-        let select = [module.function(c"fm_select1")?, module.function(c"fm_select2")?];
-        select[1].set_max_dynamic_smem((2 * TOPK_MAX * 8) as i32)?;
+        let select = module.function(c"fm_select")?;
+        select.set_max_dynamic_smem(SEL_SMEM as i32)?;
         let pdl = dev.cc.0 >= 9;
         drop(_g);
         let b = Arc::new(CudaBounds { bounds, select, sync, workspaces: Mutex::new(HashMap::new()), _module: module, launch: Launch { device: dev, pdl } });
@@ -717,7 +725,7 @@ impl BoundsBackend for CudaBoundsHandle {
             n: b.n_chunks as u32,
             pad: 0,
         };
-        let blocks = (b.n_chunks as u32).div_ceil(SEL_THREADS * 8);
+        let blocks = (b.n_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
         launch_select(&me.launch, &me.select, &mut sel, blocks, err, s)?;
         if me.sync {
             driver::stream_sync(s)?;
