@@ -19,29 +19,27 @@ __device__ __forceinline__ void record_error(u32* err, u32 code, u32 pos, u32 id
     }
 }
 
+// Inclusive prefix sum of one value per lane over a whole warp.
+__device__ __forceinline__ u32 warp_inclusive_sum(u32 x) {
+    const u32 lane = threadIdx.x & 31u;
+#pragma unroll
+    for (u32 off = 1; off < 32; off <<= 1) {
+        const u32 y = __shfl_up_sync(KVS_FULL_MASK, x, off);
+        if (lane >= off) x += y;
+    }
+    return x;
+}
+
 // Exclusive prefix sum of one value per thread over the block; *total gets the
 // sum. Every thread of the block must call it.
 __device__ u32 block_exclusive_sum(u32 v, u32* total) {
     __shared__ u32 warp_sums[32];
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 nwarps = (blockDim.x + 31u) >> 5;
-    u32 x = v;
-#pragma unroll
-    for (u32 off = 1; off < 32; off <<= 1) {
-        u32 y = __shfl_up_sync(KVS_FULL_MASK, x, off);
-        if (lane >= off) x += y;
-    }
+    const u32 x = warp_inclusive_sum(v);
     if (lane == 31u) warp_sums[warp] = x;
     __syncthreads();
-    if (warp == 0) {
-        u32 t = lane < nwarps ? warp_sums[lane] : 0u;
-#pragma unroll
-        for (u32 off = 1; off < 32; off <<= 1) {
-            u32 y = __shfl_up_sync(KVS_FULL_MASK, t, off);
-            if (lane >= off) t += y;
-        }
-        warp_sums[lane] = t;
-    }
+    if (warp == 0) warp_sums[lane] = warp_inclusive_sum(lane < nwarps ? warp_sums[lane] : 0u);
     __syncthreads();
     const u32 base = warp > 0 ? warp_sums[warp - 1] : 0u;
     *total = warp_sums[nwarps - 1];

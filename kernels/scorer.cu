@@ -1036,12 +1036,7 @@ __device__ __forceinline__ u64 key64(u32 skey, u32 id) { return ((u64)skey << 32
 __device__ __forceinline__ u32 warp_threshold64(u32 hi_bin, u32 lo_bin, u32 want, u32* above_out) {
     const u32 lane = threadIdx.x & 31u;
     const u32 local = hi_bin + lo_bin;
-    u32 incl = local;
-#pragma unroll
-    for (u32 off = 1; off < 32; off <<= 1) {
-        const u32 y = __shfl_up_sync(KVS_FULL_MASK, incl, off);
-        if (lane >= off) incl += y;
-    }
+    const u32 incl = warp_inclusive_sum(local);
     const u32 before = incl - local;
     const u32 hit = __ballot_sync(KVS_FULL_MASK, before < want && incl >= want);
     const u32 src = hit ? __ffs(hit) - 1 : 0u;
@@ -1085,12 +1080,7 @@ __device__ void threshold_digit(const u32* h, u32 want, u32* s_digit, u32* s_abo
     u32 local = 0;
 #pragma unroll
     for (u32 b = hi - 8; b < hi; ++b) local += h[b];
-    u32 incl = local;
-#pragma unroll
-    for (u32 off = 1; off < 32; off <<= 1) {
-        const u32 y = __shfl_up_sync(KVS_FULL_MASK, incl, off);
-        if (lane >= off) incl += y;
-    }
+    const u32 incl = warp_inclusive_sum(local);
     const u32 before = incl - local;
     if (before < want && incl >= want) {
         u32 acc = before;
