@@ -12,10 +12,10 @@
 //   fm_bounds_score  the training-free (Quest-style) scorer, same outputs.
 //   fm_select      one pass over the keys: candidates above (certain) and in
 //                  (ties) the threshold bin of the 12-bit histogram; the last
-//                  block narrows the ties by radix passes, sorts the winners
-//                  by the 64-bit key (score key << 32 | ~id), writes the ids in
-//                  descending order, -1 padded, and leaves the histogram and
-//                  counters zeroed for the next call (no memset on replay).
+//                  block narrows the ties by radix passes and writes each
+//                  winner's id at its position in descending 64-bit key order
+//                  (score key << 32 | ~id), -1 padded, and leaves the histogram
+//                  and counters zeroed for the next call (no memset on replay).
 
 
 #ifndef FM_SCORERS
