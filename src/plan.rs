@@ -213,7 +213,7 @@ impl Model {
     /// Parses a model description in TOML (every field optional). Errors
     /// name the field (`layers[1].ratio`).
     pub fn from_toml_str(text: &str) -> Result<Model, PlanError> {
-        let file: ModelFile = toml::from_str(text).map_err(|e| {
+        let file: ModelOverrides = toml::from_str(text).map_err(|e| {
             PlanError::new("--model", "<text>", format!("not a valid model file: {}", e.to_string().trim_end()))
         })?;
         let mut m = Model::default();
@@ -223,21 +223,24 @@ impl Model {
     }
 }
 
-/// A model file as written: every field optional, unknown fields refused.
+/// Changes to a model: a model file as written, or the `kvswap plan` flags.
+/// Every field optional (left out: unchanged); in a file, unknown fields are
+/// refused.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct ModelFile {
-    layers: Option<Vec<LayerClass>>,
-    kv_dim: Option<u32>,
-    dtype: Option<Dtype>,
-    window: Option<u32>,
-    gpu_chunks: Option<u32>,
-    indexer_bytes_per_token: Option<u64>,
-    scorer_weight_bytes: Option<u64>,
+pub struct ModelOverrides {
+    pub layers: Option<Vec<LayerClass>>,
+    pub kv_dim: Option<u32>,
+    pub dtype: Option<Dtype>,
+    pub window: Option<u32>,
+    pub gpu_chunks: Option<u32>,
+    pub indexer_bytes_per_token: Option<u64>,
+    pub scorer_weight_bytes: Option<u64>,
 }
 
-impl ModelFile {
-    fn apply_to(self, m: &mut Model) {
+impl ModelOverrides {
+    /// Sets the fields given in `self` on `m`.
+    pub fn apply_to(self, m: &mut Model) {
         if let Some(v) = self.layers {
             m.layers = v;
         }

@@ -14,7 +14,7 @@
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvswap::demo::{self, DemoParams, DemoReport};
-use kvswap::plan::{self, fixed, thousands, tokens_short, Dtype, LayerClass, Model, PlanError, MB, MIB};
+use kvswap::plan::{self, fixed, thousands, tokens_short, Dtype, LayerClass, Model, ModelOverrides, PlanError, MB, MIB};
 use kvswap::BackendChoice;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -354,15 +354,16 @@ fn plan_model(a: &PlanArgs) -> Result<Model, Failure> {
         Some(path) => Model::from_toml_file(path)?,
         None => Model::default(),
     };
-    if let Some(Layers(l)) = &a.layers {
-        m.layers = l.clone();
+    ModelOverrides {
+        layers: a.layers.as_ref().map(|Layers(l)| l.clone()),
+        kv_dim: a.kv_dim,
+        dtype: a.dtype,
+        window: a.window,
+        gpu_chunks: a.gpu_chunks,
+        indexer_bytes_per_token: a.indexer_bytes_per_token,
+        scorer_weight_bytes: a.scorer_weight_bytes,
     }
-    m.kv_dim = a.kv_dim.unwrap_or(m.kv_dim);
-    m.dtype = a.dtype.unwrap_or(m.dtype);
-    m.window = a.window.unwrap_or(m.window);
-    m.gpu_chunks = a.gpu_chunks.unwrap_or(m.gpu_chunks);
-    m.indexer_bytes_per_token = a.indexer_bytes_per_token.unwrap_or(m.indexer_bytes_per_token);
-    m.scorer_weight_bytes = a.scorer_weight_bytes.unwrap_or(m.scorer_weight_bytes);
+    .apply_to(&mut m);
     Ok(m)
 }
 

@@ -10,6 +10,16 @@ use std::sync::OnceLock;
 
 pub use sys::{CUcontext, CUdevice, CUdeviceptr, CUfunction, CUstream};
 
+/// A kernel's parameter array for `cuLaunchKernel`: one pointer per local
+/// holding an argument's value, in the kernel's parameter order. The locals
+/// must outlive the launch call.
+macro_rules! kernel_params {
+    ($($arg:ident),+ $(,)?) => {
+        [$(&mut $arg as *mut _ as *mut ::std::ffi::c_void),+]
+    };
+}
+pub(crate) use kernel_params;
+
 /// Converts a driver status into a kvswap error that names the call.
 pub fn check(r: sys::CUresult, what: &str) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {

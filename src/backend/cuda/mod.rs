@@ -12,7 +12,7 @@ use super::{Backend, BackendKind, LayerOps, StreamHandle};
 use crate::config::Config;
 use crate::error::{Error, KvswapStatus, Result};
 use crate::layer::{dedup_last, KvswapLayerStats, LayerPlan, StagingView};
-use driver::{CUstream, Device, DeviceBuffer, Event, Kernel, Module, OwnedStream, PinnedBuffer};
+use driver::{kernel_params, CUstream, Device, DeviceBuffer, Event, Kernel, Module, OwnedStream, PinnedBuffer};
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -445,13 +445,7 @@ impl CudaLayer {
             let warps = batch.len() as u64 * pieces;
             let grid = warps.div_ceil(8).clamp(1, self.sh.device.sm_count as u64 * 16) as u32;
             let (mut d, mut src, mut stride, mut vec) = (self.dev, src, src_stride, vec);
-            let mut params = [
-                &mut d as *mut LayerDev as *mut c_void,
-                &mut src as *mut u64 as *mut c_void,
-                &mut stride as *mut u64 as *mut c_void,
-                &mut ids as *mut StoreIds as *mut c_void,
-                &mut vec as *mut u32 as *mut c_void,
-            ];
+            let mut params = kernel_params![d, src, stride, ids, vec];
             // SAFETY: parameters match kvswap_store(LayerDev, const u8*, u64, StoreIds, u32);
             // src rows were range-checked by the caller.
             unsafe { self.sh.kernels.store.launch(grid, 256, 0, s, &mut params)? };
@@ -465,13 +459,7 @@ impl CudaLayer {
         let n = if self.dev.identity != 0 { count } else { count.max(self.dev.slots) };
         let threads = n.next_multiple_of(32).clamp(64, 1024);
         let (mut d, mut idx, mut win, mut cnt, mut st) = (self.dev, indices, window_len, count, strict as u32);
-        let mut params = [
-            &mut d as *mut LayerDev as *mut c_void,
-            &mut idx as *mut u64 as *mut c_void,
-            &mut win as *mut u32 as *mut c_void,
-            &mut cnt as *mut u32 as *mut c_void,
-            &mut st as *mut u32 as *mut c_void,
-        ];
+        let mut params = kernel_params![d, idx, win, cnt, st];
         let smem = if self.dev.identity != 0 { 0 } else { swap_smem(count, self.dev.slots) };
         // SAFETY: parameters match kvswap_swap_in(LayerDev, i32*, u32, u32, u32);
         // indices were range-checked for window_len + count ints; smem is
@@ -481,7 +469,7 @@ impl CudaLayer {
             let pieces = (self.plan.chunk_bytes as u64).div_ceil(2048);
             let grid = (count as u64 * pieces).div_ceil(8).clamp(1, self.sh.device.sm_count as u64 * 16) as u32;
             let mut vec = self.vec_ok(&[]) as u32;
-            let mut params = [&mut d as *mut LayerDev as *mut c_void, &mut vec as *mut u32 as *mut c_void];
+            let mut params = kernel_params![d, vec];
             // SAFETY: parameters match kvswap_gather(LayerDev, u32), which
             // waits for the residency kernel (griddepcontrol.wait) first.
             unsafe {
@@ -494,12 +482,7 @@ impl CudaLayer {
         }
         if self.validate && count > 0 {
             let grid = (count as u64).div_ceil(8).clamp(1, self.sh.device.sm_count as u64 * 8) as u32;
-            let mut params = [
-                &mut d as *mut LayerDev as *mut c_void,
-                &mut idx as *mut u64 as *mut c_void,
-                &mut win as *mut u32 as *mut c_void,
-                &mut cnt as *mut u32 as *mut c_void,
-            ];
+            let mut params = kernel_params![d, idx, win, cnt];
             // SAFETY: parameters match kvswap_validate(LayerDev, const i32*, u32, u32).
             unsafe { k.validate.launch(grid, 256, 0, s, &mut params)? };
         }

@@ -9,7 +9,7 @@
 //! turn the output into -1 padding and are recorded; with `sync` the call
 //! waits and returns them, otherwise `sync_errors` (fm_scorer_sync) does.
 
-use super::driver::{self, CUstream, Device, DeviceBuffer, Kernel, Module, PinnedBuffer};
+use super::driver::{self, kernel_params, CUstream, Device, DeviceBuffer, Kernel, Module, PinnedBuffer};
 use crate::backend::{BackendKind, StreamHandle};
 use crate::config::Ensemble;
 use crate::error::{Error, KvswapStatus, Result};
@@ -464,12 +464,7 @@ impl CudaScorer {
                 let kernel = &self.project[which];
                 let rows = (self.heads * self.head_dim + self.heads) as u32;
                 let (mut wptr, mut hid) = (self.weights.ptr, self.hidden as u32);
-                let mut params = [
-                    &mut wptr as *mut u64 as *mut c_void,
-                    &mut hid as *mut u32 as *mut c_void,
-                    &mut pb as *mut ProjBatch as *mut c_void,
-                    &mut err as *mut u64 as *mut c_void,
-                ];
+                let mut params = kernel_params![wptr, hid, pb, err];
                 // SAFETY: parameters match fm_project_*(const T*, u32, ProjBatch, u32*);
                 // hidden and q/w buffers were checked / sized above.
                 unsafe { kernel.launch_2d((rows.div_ceil(PROJECT_ROWS), self.n_scorers as u32), 32 * PROJECT_ROWS, PROJECT_SMEM[which], s, &mut params)? };
@@ -514,7 +509,7 @@ impl CudaScorer {
             let tiles = group.iter().map(|q| q.n_chunks.div_ceil(self.score_tile as usize)).max().unwrap_or(1) as u32;
             let resident = if self.wgmma { sm } else { 2 * sm };  // blocks per SM: 1 (wgmma) or 2
             let per_seq = tiles.min((resident / b as u32).max(1));
-            let mut params = [&mut sb as *mut ScoreBatch as *mut c_void, &mut err as *mut u64 as *mut c_void];
+            let mut params = kernel_params![sb, err];
             // SAFETY: parameters match fm_score(ScoreBatch, u32*); keys checked above.
             unsafe { self.launch.dependent(&self.score, (per_seq, b as u32), self.score_threads, self.score_smem, s, &mut params)? };
             let sel_blocks = (max_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
@@ -700,16 +695,7 @@ impl BoundsBackend for CudaBoundsHandle {
         let sm = dev.sm_count as u32;
         let (mut q, mut lo, mut hi, mut dim, mut n) = (b.query, b.min, b.max, b.dim as u32, b.n_chunks as u32);
         let (mut skey, mut hist, mut err) = (ws.skey.ptr, ws.hist.ptr, ws.err.ptr);
-        let mut params = [
-            &mut q as *mut u64 as *mut c_void,
-            &mut lo as *mut u64 as *mut c_void,
-            &mut hi as *mut u64 as *mut c_void,
-            &mut dim as *mut u32 as *mut c_void,
-            &mut n as *mut u32 as *mut c_void,
-            &mut skey as *mut u64 as *mut c_void,
-            &mut hist as *mut u64 as *mut c_void,
-            &mut err as *mut u64 as *mut c_void,
-        ];
+        let mut params = kernel_params![q, lo, hi, dim, n, skey, hist, err];
         let grid = (b.n_chunks as u32).div_ceil(8).clamp(1, 8 * sm);
         // SAFETY: parameters match fm_bounds_score(const float*, const float*,
         // const float*, u32, u32, u32*, u32*, u32*); buffers checked above.
