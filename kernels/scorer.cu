@@ -986,21 +986,30 @@ extern "C" __global__ void fm_bounds_score(const float* q, const float* bmin, co
 // threshold bin b of the scoring kernel's histogram (the highest bin with
 // count(bins > b) < want <= count(bins >= b)), then files its keys: above b
 // into `sure` (certainly in the top-k), in b into `tie`. The last block to
-// finish narrows the ties to the `want - n_sure` best with 8-bit radix passes
-// (in shared memory when they fit), writes the ids of the `want` winners in
-// descending 64-bit key order (score key << 32 | ~id: descending score, ties
-// to the lower id) by their histogram position (-1 padded, all -1 after a
-// recorded error) and
-// leaves the histogram and counters zeroed for the next call (graph replay
-// needs no memset).
+// finish sorts the candidates (64-bit keys: score key << 32 | ~id, so
+// descending score, ties to the lower id) and writes the ids of the best
+// `want`, -1 padded (all -1 after a recorded error). When sure and ties are
+// more than FM_RANK_MAX, it first narrows the ties to the `want - n_sure`
+// best with 8-bit radix passes (in shared memory when they fit). It leaves
+// the histogram and counters zeroed for the next call (graph replay needs
+// no memset).
 
-// Per-sequence selection state; zero between calls (the last block resets it).
+// Per-sequence selection state; zero between calls (the last block resets
+// it). One 64-bit counter holds three fields, so one atomic both appends a
+// block's candidates and, later, counts the block as done: the last block's
+// done increment returns the final candidate counts.
+//   bits  0..19  sure keys  (< want <= FM_RANK_MAX)
+//   bits 20..43  tie keys   (<= n <= 2^22)
+//   bits 44..63  blocks done (<= 2^22 / (FM_SEL_THREADS * FM_SEL_ITEMS))
 struct SelectState {
-    u32 n_sure;
-    u32 n_tie;
-    u32 done;
-    u32 pad;
+    u64 counts;
+    u64 pad;
 };
+#define FM_ST_TIE_SHIFT 20
+#define FM_ST_DONE_SHIFT 44
+__device__ __forceinline__ u32 st_sure(u64 c) { return (u32)(c & ((1u << FM_ST_TIE_SHIFT) - 1u)); }
+__device__ __forceinline__ u32 st_tie(u64 c) { return (u32)((c >> FM_ST_TIE_SHIFT) & ((1u << (FM_ST_DONE_SHIFT - FM_ST_TIE_SHIFT)) - 1u)); }
+__device__ __forceinline__ u32 st_done(u64 c) { return (u32)(c >> FM_ST_DONE_SHIFT); }
 
 struct SelectSeq {
     const u32* skey;   // [n]
@@ -1023,9 +1032,12 @@ struct SelectBatch {
 #define FM_SEL_ITEMS 4      // keys per thread
 #define FM_RANK_MAX 2048    // the largest k
 #define FM_TIE_SMEM 6144    // ties narrowed in shared memory when they fit (else read from global);
-                            // afterwards the space holds the ordering scratch:
-                            // FM_RANK_MAX keys + 2 * FM_HIST words
-static_assert(FM_TIE_SMEM * 8 >= FM_RANK_MAX * 8 + 2 * FM_HIST * 4, "ordering scratch fits in the ties' space");
+                            // afterwards the space holds the sort's second buffer
+static_assert(FM_TIE_SMEM >= FM_RANK_MAX, "the sort's second buffer fits in the ties' space");
+#define FM_MAX_CHUNKS 4194304u  // scorer::FM_MAX_CHUNKS (checked on the host)
+static_assert(FM_MAX_CHUNKS < (1u << (FM_ST_DONE_SHIFT - FM_ST_TIE_SHIFT)) && FM_RANK_MAX < (1u << FM_ST_TIE_SHIFT) &&
+                  FM_MAX_CHUNKS / (FM_SEL_THREADS * FM_SEL_ITEMS) < (1u << (64 - FM_ST_DONE_SHIFT)),
+              "SelectState fields hold their counts");
 #define FM_GROUP_MAX 512    // a boundary group this small is ranked by counting
 
 __device__ __forceinline__ u64 key64(u32 skey, u32 id) { return ((u64)skey << 32) | (u64)(0xFFFFFFFFu - id); }
@@ -1196,49 +1208,89 @@ __device__ __forceinline__ void narrow_topk(const u64* keys, u32 m, u32 want, in
     __syncthreads();
 }
 
-// Writes the ids of the `m` winners fin[0..m) to out[0..m) in descending
-// key64 order without a sort: a winner of fine bin b goes to above(b) + its
-// rank among the winners of b, above(b) = winners in bins > b. The winners
-// are first grouped by bin (tmp, shared), then each ranks itself inside its
-// group (a few keys, except when many scores share one bin). `hist` is the
-// global histogram; tmp (m keys), above and fill (FM_HIST words each) are
-// shared scratch. One block.
-__device__ __forceinline__ void write_in_order(const u64* fin, u32 m, const u32* hist, u64* tmp, u32* above, u32* fill, i32* out) {
-    // above[b] for every bin: suffix sums over runs of PER bins per thread
-    // (blockDim.x == FM_SEL_THREADS).
-    constexpr u32 PER = FM_HIST / FM_SEL_THREADS;
-    static_assert(FM_HIST % FM_SEL_THREADS == 0, "whole runs of bins per thread");
-    const u32 hi = FM_HIST - threadIdx.x * PER;
-    u32 v[PER], local = 0;
-#pragma unroll
-    for (u32 j = 0; j < PER; ++j) {  // all loads in flight before any use
-        v[j] = __ldcg(hist + hi - PER + j);
-    }
-#pragma unroll
-    for (u32 j = 0; j < PER; ++j) local += v[j];
-    u32 total;
-    u32 acc = block_exclusive_sum(local, &total);
-#pragma unroll
-    for (u32 j = PER; j-- > 0;) {
-        above[hi - PER + j] = acc;
-        acc += v[j];
-        fill[hi - PER + j] = 0;
-    }
+// Bitonic sort step helpers. Element i of the sequence being sorted is
+// compared with i ^ j; it keeps the larger key when it is the lower of the
+// pair in a descending run ((i & k) == 0) or the upper in an ascending one.
+__device__ __forceinline__ u64 bitonic_keep(u64 mine, u64 other, u32 i, u32 j, u32 k) {
+    const bool keep_max = ((i & j) == 0) == ((i & k) == 0);
+    return keep_max ? (mine > other ? mine : other) : (mine < other ? mine : other);
+}
+
+// Orders the pair (a, b) of elements i < i + j the way run k wants them.
+__device__ __forceinline__ void bitonic_pair(u64& a, u64& b, u32 i, u32 k) {
+    const bool desc = (i & k) == 0;
+    const bool swap = desc ? a < b : a > b;
+    const u64 x = a;
+    a = swap ? b : a;
+    b = swap ? x : b;
+}
+
+// Sorts buf[0..m) (shared memory, keys unique and nonzero) in descending
+// order and writes the ids of the first `want` to out[0..want). m <=
+// FM_RANK_MAX; buf and buf2 hold FM_RANK_MAX keys each (buf2 is scratch).
+// One block of FM_SEL_THREADS; every thread must call it.
+//
+// A bitonic network over N = max(128, pow2 >= m) keys, zero padded (zero
+// sorts last: a real key has ~id != 0 in its low word). Thread t holds keys
+// 4t..4t+3 in registers: strides 1 and 2 are exchanges inside a thread,
+// 4..64 are warp shuffles (lane ^ j/4), 128 and up go through shared memory,
+// alternating between buf and buf2 so each such step needs one barrier.
+#define FM_SORT_PER 4
+static_assert(FM_RANK_MAX == FM_SEL_THREADS * FM_SORT_PER && FM_SORT_PER == 4, "the sort holds 4 keys per thread");
+__device__ void sort_desc_write(u64* buf, u64* buf2, u32 m, u32 want, i32* out) {
+    u32 N = 128;
+    while (N < m) N <<= 1;
+    for (u32 i = m + threadIdx.x; i < N; i += blockDim.x) buf[i] = 0;
     __syncthreads();
-    // Group by bin: winner i to above[b] + (arrival order in b).
-    for (u32 i = threadIdx.x; i < m; i += blockDim.x) {
-        const u64 k = fin[i];
-        const u32 b = (u32)(k >> (64 - FM_HIST_BITS));
-        tmp[above[b] + count_in_bin(fill, b, true)] = k;
+    const u32 t = threadIdx.x;
+    const bool active = t < N / FM_SORT_PER;  // whole warps: N / 4 >= 32
+    u64 v[FM_SORT_PER];
+    if (active) {
+#pragma unroll
+        for (u32 r = 0; r < FM_SORT_PER; ++r) v[r] = buf[FM_SORT_PER * t + r];
     }
-    __syncthreads();
-    // Rank inside the group: fill[b] now counts the winners of b.
-    for (u32 i = threadIdx.x; i < m; i += blockDim.x) {
-        const u64 k = tmp[i];
-        const u32 b = (u32)(k >> (64 - FM_HIST_BITS));
-        const u32 lo = above[b], cnt = fill[b];
-        const u32 r = count_greater(tmp + lo, cnt, k);
-        out[lo + r] = (i32)(0xFFFFFFFFu - (u32)k);
+    u32 which = 0;
+    for (u32 k = 2; k <= N; k <<= 1) {
+        for (u32 j = k >> 1; j > 0; j >>= 1) {
+            if (j >= 32 * FM_SORT_PER) {  // across warps: uniform branch, every thread reaches the barrier
+                u64* x = which ? buf2 : buf;
+                which ^= 1;
+                if (active) {
+#pragma unroll
+                    for (u32 r = 0; r < FM_SORT_PER; ++r) x[FM_SORT_PER * t + r] = v[r];
+                }
+                __syncthreads();
+                if (active) {
+#pragma unroll
+                    for (u32 r = 0; r < FM_SORT_PER; ++r) {
+                        const u32 i = FM_SORT_PER * t + r;
+                        v[r] = bitonic_keep(v[r], x[i ^ j], i, j, k);
+                    }
+                }
+            } else if (active) {
+                if (j >= FM_SORT_PER) {  // across lanes of a warp
+#pragma unroll
+                    for (u32 r = 0; r < FM_SORT_PER; ++r) {
+                        const u32 i = FM_SORT_PER * t + r;
+                        const u64 other = __shfl_xor_sync(KVS_FULL_MASK, v[r], j / FM_SORT_PER);
+                        v[r] = bitonic_keep(v[r], other, i, j, k);
+                    }
+                } else if (j == 2) {  // inside the thread (fixed register indices)
+                    bitonic_pair(v[0], v[2], FM_SORT_PER * t, k);
+                    bitonic_pair(v[1], v[3], FM_SORT_PER * t + 1, k);
+                } else {
+                    bitonic_pair(v[0], v[1], FM_SORT_PER * t, k);
+                    bitonic_pair(v[2], v[3], FM_SORT_PER * t + 2, k);
+                }
+            }
+        }
+    }
+    if (active) {
+#pragma unroll
+        for (u32 r = 0; r < FM_SORT_PER; ++r) {
+            const u32 i = FM_SORT_PER * t + r;
+            if (i < want) out[i] = (i32)(0xFFFFFFFFu - (u32)v[r]);
+        }
     }
 }
 
@@ -1246,7 +1298,7 @@ __device__ __forceinline__ void write_in_order(const u64* fin, u32 m, const u32*
 // threads, (FM_RANK_MAX + FM_TIE_SMEM) * 8 bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBatch B, const u32* err) {
     extern __shared__ u64 sh_keys[];  // fin [FM_RANK_MAX] | ties [FM_TIE_SMEM]
-    __shared__ u32 s_last, s_nfin, s_base_sure, s_base_tie;
+    __shared__ u32 s_last, s_nfin, s_base_sure, s_base_tie, s_ns, s_nt;
     wait_prerequisites();  // skey and hist come from the scoring kernel
     allow_dependents();
     const SelectSeq& S = B.seq[blockIdx.y];
@@ -1273,8 +1325,10 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
     u32 total;
     const u32 at = block_exclusive_sum(packed, &total);
     if (threadIdx.x == 0) {
-        s_base_sure = (total & 0xffffu) ? atomicAdd(&S.st->n_sure, total & 0xffffu) : 0u;
-        s_base_tie = (total >> 16) ? atomicAdd(&S.st->n_tie, total >> 16) : 0u;
+        u64 old = 0;
+        if (total != 0) old = atomicAdd(&S.st->counts, (u64)(total & 0xffffu) | ((u64)(total >> 16) << FM_ST_TIE_SHIFT));
+        s_base_sure = st_sure(old);
+        s_base_tie = st_tie(old);
     }
     __syncthreads();
     u32 at_sure = s_base_sure + (at & 0xffffu), at_tie = s_base_tie + (at >> 16);
@@ -1287,41 +1341,50 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
     // The last block of this sequence to finish picks the result. One thread
     // fences for the block after the barrier (the cooperative-groups grid
     // sync pattern): the block's candidate writes are ordered before its
-    // count, and the last block's reads after every count.
+    // count, and the last block's reads after every count. Every block
+    // appended before it counted itself done (same counter), so the last
+    // one's increment returns the final candidate counts.
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
-        s_last = atomicAdd(&S.st->done, 1u) == gridDim.x - 1;
+        const u64 old = atomicAdd(&S.st->counts, 1ull << FM_ST_DONE_SHIFT);
+        s_last = st_done(old) == gridDim.x - 1;
+        s_ns = st_sure(old);
+        s_nt = st_tie(old);
         if (s_last) __threadfence();
     }
     __syncthreads();
     if (!s_last) return;
-    const u32 ns = *(volatile u32*)&S.st->n_sure, nt = *(volatile u32*)&S.st->n_tie;
-    u64* fin = sh_keys;
-    u64* ties = sh_keys + FM_RANK_MAX;
-    for (u32 i = threadIdx.x; i < ns; i += blockDim.x) fin[i] = __ldcg(S.sure + i);
-    if (threadIdx.x == 0) s_nfin = ns;
-    const bool in_smem = nt <= FM_TIE_SMEM;
-    if (in_smem)
-        for (u32 i = threadIdx.x; i < nt; i += blockDim.x) ties[i] = __ldcg(S.tie + i);
-    __syncthreads();
-    // Ties share the top FM_HIST_BITS bits of the 64-bit key.
-    if (in_smem) narrow_topk<false>(ties, nt, want - ns, 64 - FM_HIST_BITS, fin, &s_nfin);
-    else narrow_topk<true>(S.tie, nt, want - ns, 64 - FM_HIST_BITS, fin, &s_nfin);
+    const u32 ns = s_ns, nt = s_nt;
+    u64* fin = sh_keys;                 // [FM_RANK_MAX]
+    u64* ties = sh_keys + FM_RANK_MAX;  // [FM_TIE_SMEM]
+    u32 m;                              // keys in fin to sort
+    if (ns + nt <= FM_RANK_MAX) {
+        // Few candidates (the usual case): sort them all.
+        for (u32 i = threadIdx.x; i < ns + nt; i += blockDim.x) fin[i] = i < ns ? __ldcg(S.sure + i) : __ldcg(S.tie + (i - ns));
+        m = ns + nt;
+    } else {
+        // Narrow the ties to the `want - ns` best first (ns < want: the
+        // threshold bin holds the want-th key).
+        for (u32 i = threadIdx.x; i < ns; i += blockDim.x) fin[i] = __ldcg(S.sure + i);
+        if (threadIdx.x == 0) s_nfin = ns;
+        const bool in_smem = nt <= FM_TIE_SMEM;
+        if (in_smem)
+            for (u32 i = threadIdx.x; i < nt; i += blockDim.x) ties[i] = __ldcg(S.tie + i);
+        __syncthreads();
+        // Ties share the top FM_HIST_BITS bits of the 64-bit key.
+        if (in_smem) narrow_topk<false>(ties, nt, want - ns, 64 - FM_HIST_BITS, fin, &s_nfin);
+        else narrow_topk<true>(S.tie, nt, want - ns, 64 - FM_HIST_BITS, fin, &s_nfin);
+        m = want;
+    }
     if (err[0] != 0) {  // a recorded error: no garbage, all -1
         for (u32 i = threadIdx.x; i < B.k; i += blockDim.x) S.out[i] = -1;
     } else {
-        // The ties are consumed: their space holds tmp, above and fill.
-        u32* above = (u32*)(ties + FM_RANK_MAX);
-        write_in_order(fin, want, S.hist, ties, above, above + FM_HIST, S.out);
+        sort_desc_write(fin, ties, m, want, S.out);  // the ties are consumed: their space is scratch
         for (u32 i = want + threadIdx.x; i < B.k; i += blockDim.x) S.out[i] = -1;
     }
-    __syncthreads();  // every read of the histogram is done
-    // Leave the state zeroed for the next call.
+    // Leave the state zeroed for the next call (every block has read the
+    // histogram: they all counted themselves done).
     for (u32 i = threadIdx.x; i < FM_HIST_WORDS; i += blockDim.x) S.hist[i] = 0;
-    if (threadIdx.x == 0) {
-        S.st->n_sure = 0;
-        S.st->n_tie = 0;
-        S.st->done = 0;
-    }
+    if (threadIdx.x == 0) S.st->counts = 0;
 }

@@ -35,6 +35,8 @@ const SEL_THREADS: u32 = 512;
 const SEL_ITEMS: u32 = 4;
 const TIE_SMEM: usize = 6144;
 const SEL_SMEM: u32 = ((TOPK_MAX + TIE_SMEM) * 8) as u32;
+// fm_select's SelectState packs the tie count of a sequence in 24 bits (FM_MAX_CHUNKS in scorer.cu).
+const _: () = assert!(crate::scorer::FM_MAX_CHUNKS < 1 << 24);
 /// Dynamic shared memory of fm_project_*_b{1,8,64}: MAXB x KT x 4 bytes.
 const PROJECT_SMEM: [u32; 3] = [4096 * 4, 8 * 1024 * 4, 64 * 256 * 4];
 /// Weight rows per projection block (`FM_PROJ_ROWS`, one warp each).
