@@ -982,28 +982,32 @@ extern "C" __global__ void fm_bounds_score(const float* q, const float* bmin, co
 
 // ------------------------------------------------------------------- top-k
 //
-// One launch (fm_select), one pass over the scores. Every block finds the
-// threshold bin b of the scoring kernel's histogram (the highest bin with
-// count(bins > b) < want <= count(bins >= b)), then files its keys: above b
-// into `sure` (certainly in the top-k), in b into `tie`. The last block to
-// finish sorts the candidates (64-bit keys: score key << 32 | ~id, so
-// descending score, ties to the lower id) and writes the ids of the best
-// `want`, -1 padded (all -1 after a recorded error). When sure and ties are
-// more than FM_RANK_MAX, it first narrows the ties to the `want - n_sure`
-// best with 8-bit radix passes (in shared memory when they fit). It leaves
-// the histogram and counters zeroed for the next call (graph replay needs
-// no memset).
+// Two launches. fm_select makes one pass over the scores: every block finds
+// the threshold bin b of the scoring kernel's histogram (the highest bin
+// with count(bins > b) < want <= count(bins >= b)), then files its keys:
+// above b into `sure` (certainly in the top-k), in b into `tie`. Keys are
+// 64-bit (score key << 32 | ~id), so descending key order is descending
+// score with ties to the lower id. The last block to finish leaves the
+// histogram zeroed for the next call (graph replay needs no memset) and
+// publishes the candidates; when sure and ties together exceed FM_RANK_MAX
+// it first narrows the ties to the `want - n_sure` best (8-bit radix passes,
+// in shared memory when they fit). fm_order, its programmatic dependent,
+// ranks the candidates by counting, spread over many blocks (a sure key
+// among the sure keys, a tie among the ties after them), and writes the ids
+// of ranks below `want`, -1 padded (all -1 after a recorded error).
 
-// Per-sequence selection state; zero between calls (the last block resets
-// it). One 64-bit counter holds three fields, so one atomic both appends a
-// block's candidates and, later, counts the block as done: the last block's
-// done increment returns the final candidate counts.
+// Per-sequence selection state. `counts` is zero between calls (the last
+// block resets it); its three fields let one atomic both append a block's
+// candidates and, later, count the block as done: the last block's done
+// increment returns the final candidate counts.
 //   bits  0..19  sure keys  (< want <= FM_RANK_MAX)
 //   bits 20..43  tie keys   (<= n <= 2^22)
 //   bits 44..63  blocks done (<= 2^22 / (FM_SEL_THREADS * FM_SEL_ITEMS))
+// `ranked` holds the candidates fm_order ranks (sure and tie fields),
+// written by fm_select's last block.
 struct SelectState {
     u64 counts;
-    u64 pad;
+    u64 ranked;
 };
 #define FM_ST_TIE_SHIFT 20
 #define FM_ST_DONE_SHIFT 44
@@ -1031,14 +1035,29 @@ struct SelectBatch {
 #define FM_SEL_THREADS 512
 #define FM_SEL_ITEMS 4      // keys per thread
 #define FM_RANK_MAX 2048    // the largest k
-#define FM_TIE_SMEM 6144    // ties narrowed in shared memory when they fit (else read from global);
-                            // afterwards the space holds the sort's second buffer
-static_assert(FM_TIE_SMEM >= FM_RANK_MAX, "the sort's second buffer fits in the ties' space");
+#define FM_TIE_SMEM 6144    // ties narrowed in shared memory when they fit (else read from global)
 #define FM_MAX_CHUNKS 4194304u  // scorer::FM_MAX_CHUNKS (checked on the host)
 static_assert(FM_MAX_CHUNKS < (1u << (FM_ST_DONE_SHIFT - FM_ST_TIE_SHIFT)) && FM_RANK_MAX < (1u << FM_ST_TIE_SHIFT) &&
                   FM_MAX_CHUNKS / (FM_SEL_THREADS * FM_SEL_ITEMS) < (1u << (64 - FM_ST_DONE_SHIFT)),
               "SelectState fields hold their counts");
 #define FM_GROUP_MAX 512    // a boundary group this small is ranked by counting
+
+
+// Development timeline of fm_select (KVSWAP_FM_DEFINES=-DFM_TRACE): block
+// phases as the latest block reached them, then the last block's phases, in
+// ns from the first block's start, printed every 97th call.
+#ifdef FM_TRACE
+__device__ u64 fm_tr[8] = {~0ull, ~0ull, 0, 0, 0, 0, 0, 0};
+__device__ u32 fm_tr_calls;
+__device__ __forceinline__ u64 gtime() { u64 t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }
+#define TR_MIN(i) do { __syncthreads(); if (threadIdx.x == 0) atomicMin(&fm_tr[i], gtime()); } while (0)
+#define TR_MAX(i) do { __syncthreads(); if (threadIdx.x == 0) atomicMax(&fm_tr[i], gtime()); } while (0)
+#define TR_LAST(v) do { __syncthreads(); v = gtime(); } while (0)
+#else
+#define TR_MIN(i)
+#define TR_MAX(i)
+#define TR_LAST(v)
+#endif
 
 __device__ __forceinline__ u64 key64(u32 skey, u32 id) { return ((u64)skey << 32) | (u64)(0xFFFFFFFFu - id); }
 
@@ -1208,98 +1227,18 @@ __device__ __forceinline__ void narrow_topk(const u64* keys, u32 m, u32 want, in
     __syncthreads();
 }
 
-// Bitonic sort step helpers. Element i of the sequence being sorted is
-// compared with i ^ j; it keeps the larger key when it is the lower of the
-// pair in a descending run ((i & k) == 0) or the upper in an ascending one.
-__device__ __forceinline__ u64 bitonic_keep(u64 mine, u64 other, u32 i, u32 j, u32 k) {
-    const bool keep_max = ((i & j) == 0) == ((i & k) == 0);
-    return keep_max ? (mine > other ? mine : other) : (mine < other ? mine : other);
-}
-
-// Orders the pair (a, b) of elements i < i + j the way run k wants them.
-__device__ __forceinline__ void bitonic_pair(u64& a, u64& b, u32 i, u32 k) {
-    const bool desc = (i & k) == 0;
-    const bool swap = desc ? a < b : a > b;
-    const u64 x = a;
-    a = swap ? b : a;
-    b = swap ? x : b;
-}
-
-// Sorts buf[0..m) (shared memory, keys unique and nonzero) in descending
-// order and writes the ids of the first `want` to out[0..want). m <=
-// FM_RANK_MAX; buf and buf2 hold FM_RANK_MAX keys each (buf2 is scratch).
-// One block of FM_SEL_THREADS; every thread must call it.
-//
-// A bitonic network over N = max(128, pow2 >= m) keys, zero padded (zero
-// sorts last: a real key has ~id != 0 in its low word). Thread t holds keys
-// 4t..4t+3 in registers: strides 1 and 2 are exchanges inside a thread,
-// 4..64 are warp shuffles (lane ^ j/4), 128 and up go through shared memory,
-// alternating between buf and buf2 so each such step needs one barrier.
-#define FM_SORT_PER 4
-static_assert(FM_RANK_MAX == FM_SEL_THREADS * FM_SORT_PER && FM_SORT_PER == 4, "the sort holds 4 keys per thread");
-__device__ void sort_desc_write(u64* buf, u64* buf2, u32 m, u32 want, i32* out) {
-    u32 N = 128;
-    while (N < m) N <<= 1;
-    for (u32 i = m + threadIdx.x; i < N; i += blockDim.x) buf[i] = 0;
-    __syncthreads();
-    const u32 t = threadIdx.x;
-    const bool active = t < N / FM_SORT_PER;  // whole warps: N / 4 >= 32
-    u64 v[FM_SORT_PER];
-    if (active) {
-#pragma unroll
-        for (u32 r = 0; r < FM_SORT_PER; ++r) v[r] = buf[FM_SORT_PER * t + r];
-    }
-    u32 which = 0;
-    for (u32 k = 2; k <= N; k <<= 1) {
-        for (u32 j = k >> 1; j > 0; j >>= 1) {
-            if (j >= 32 * FM_SORT_PER) {  // across warps: uniform branch, every thread reaches the barrier
-                u64* x = which ? buf2 : buf;
-                which ^= 1;
-                if (active) {
-#pragma unroll
-                    for (u32 r = 0; r < FM_SORT_PER; ++r) x[FM_SORT_PER * t + r] = v[r];
-                }
-                __syncthreads();
-                if (active) {
-#pragma unroll
-                    for (u32 r = 0; r < FM_SORT_PER; ++r) {
-                        const u32 i = FM_SORT_PER * t + r;
-                        v[r] = bitonic_keep(v[r], x[i ^ j], i, j, k);
-                    }
-                }
-            } else if (active) {
-                if (j >= FM_SORT_PER) {  // across lanes of a warp
-#pragma unroll
-                    for (u32 r = 0; r < FM_SORT_PER; ++r) {
-                        const u32 i = FM_SORT_PER * t + r;
-                        const u64 other = __shfl_xor_sync(KVS_FULL_MASK, v[r], j / FM_SORT_PER);
-                        v[r] = bitonic_keep(v[r], other, i, j, k);
-                    }
-                } else if (j == 2) {  // inside the thread (fixed register indices)
-                    bitonic_pair(v[0], v[2], FM_SORT_PER * t, k);
-                    bitonic_pair(v[1], v[3], FM_SORT_PER * t + 1, k);
-                } else {
-                    bitonic_pair(v[0], v[1], FM_SORT_PER * t, k);
-                    bitonic_pair(v[2], v[3], FM_SORT_PER * t + 2, k);
-                }
-            }
-        }
-    }
-    if (active) {
-#pragma unroll
-        for (u32 r = 0; r < FM_SORT_PER; ++r) {
-            const u32 i = FM_SORT_PER * t + r;
-            if (i < want) out[i] = (i32)(0xFFFFFFFFu - (u32)v[r]);
-        }
-    }
-}
-
 // Grid: (ceil(n / (FM_SEL_THREADS * FM_SEL_ITEMS)), sequences), FM_SEL_THREADS
 // threads, (FM_RANK_MAX + FM_TIE_SMEM) * 8 bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBatch B, const u32* err) {
     extern __shared__ u64 sh_keys[];  // fin [FM_RANK_MAX] | ties [FM_TIE_SMEM]
     __shared__ u32 s_last, s_nfin, s_base_sure, s_base_tie, s_ns, s_nt;
-    wait_prerequisites();  // skey and hist come from the scoring kernel
+#ifdef FM_TRACE
+    u64 L[4] = {0, 0, 0, 0};
+#endif
+    TR_MIN(0);
+    wait_prerequisites();
+    TR_MIN(1);
+    TR_MAX(2);  // skey and hist come from the scoring kernel
     allow_dependents();
     const SelectSeq& S = B.seq[blockIdx.y];
     const u32 n = S.n;
@@ -1313,6 +1252,7 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
     }
     u32 above;
     const u32 b1 = threshold_bin(S.hist, want, &above);
+    TR_MAX(3);
     // 0 = out, 1 = tie, 2 = sure; counts packed sure | tie << 16 (< 2^16 each per block).
     u32 cls[FM_SEL_ITEMS], packed = 0;
 #pragma unroll
@@ -1331,6 +1271,7 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
         s_base_tie = st_tie(old);
     }
     __syncthreads();
+    TR_MAX(4);
     u32 at_sure = s_base_sure + (at & 0xffffu), at_tie = s_base_tie + (at >> 16);
 #pragma unroll
     for (u32 j = 0; j < FM_SEL_ITEMS; ++j) {
@@ -1344,7 +1285,7 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
     // count, and the last block's reads after every count. Every block
     // appended before it counted itself done (same counter), so the last
     // one's increment returns the final candidate counts.
-    __syncthreads();
+    TR_MAX(5);
     if (threadIdx.x == 0) {
         __threadfence();
         const u64 old = atomicAdd(&S.st->counts, 1ull << FM_ST_DONE_SHIFT);
@@ -1355,17 +1296,19 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
     }
     __syncthreads();
     if (!s_last) return;
+    TR_LAST(L[0]);
     const u32 ns = s_ns, nt = s_nt;
-    u64* fin = sh_keys;                 // [FM_RANK_MAX]
-    u64* ties = sh_keys + FM_RANK_MAX;  // [FM_TIE_SMEM]
-    u32 m;                              // keys in fin to sort
+    // Every block has read the histogram (they all counted themselves done):
+    // leave it zeroed for the next call.
+    for (u32 i = threadIdx.x; i < FM_HIST_WORDS; i += blockDim.x) S.hist[i] = 0;
     if (ns + nt <= FM_RANK_MAX) {
-        // Few candidates (the usual case): sort them all.
-        for (u32 i = threadIdx.x; i < ns + nt; i += blockDim.x) fin[i] = i < ns ? __ldcg(S.sure + i) : __ldcg(S.tie + (i - ns));
-        m = ns + nt;
+        // Few candidates (the usual case): fm_order ranks them all.
+        if (threadIdx.x == 0) S.st->ranked = (u64)ns | ((u64)nt << FM_ST_TIE_SHIFT);
     } else {
-        // Narrow the ties to the `want - ns` best first (ns < want: the
-        // threshold bin holds the want-th key).
+        // Narrow the ties to the `want - ns` best (ns < want: the threshold
+        // bin holds the want-th key); the `want` winners go to `sure`.
+        u64* fin = sh_keys;                 // [FM_RANK_MAX]
+        u64* ties = sh_keys + FM_RANK_MAX;  // [FM_TIE_SMEM]
         for (u32 i = threadIdx.x; i < ns; i += blockDim.x) fin[i] = __ldcg(S.sure + i);
         if (threadIdx.x == 0) s_nfin = ns;
         const bool in_smem = nt <= FM_TIE_SMEM;
@@ -1375,16 +1318,75 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
         // Ties share the top FM_HIST_BITS bits of the 64-bit key.
         if (in_smem) narrow_topk<false>(ties, nt, want - ns, 64 - FM_HIST_BITS, fin, &s_nfin);
         else narrow_topk<true>(S.tie, nt, want - ns, 64 - FM_HIST_BITS, fin, &s_nfin);
-        m = want;
+        for (u32 i = threadIdx.x; i < want; i += blockDim.x) S.sure[i] = fin[i];
+        if (threadIdx.x == 0) S.st->ranked = want;
     }
-    if (err[0] != 0) {  // a recorded error: no garbage, all -1
-        for (u32 i = threadIdx.x; i < B.k; i += blockDim.x) S.out[i] = -1;
-    } else {
-        sort_desc_write(fin, ties, m, want, S.out);  // the ties are consumed: their space is scratch
-        for (u32 i = want + threadIdx.x; i < B.k; i += blockDim.x) S.out[i] = -1;
-    }
-    // Leave the state zeroed for the next call (every block has read the
-    // histogram: they all counted themselves done).
-    for (u32 i = threadIdx.x; i < FM_HIST_WORDS; i += blockDim.x) S.hist[i] = 0;
+    TR_LAST(L[1]);
+    TR_LAST(L[2]);
     if (threadIdx.x == 0) S.st->counts = 0;
+#ifdef FM_TRACE
+    TR_LAST(L[3]);
+    if (threadIdx.x == 0) {
+        const u64 t0 = fm_tr[0];
+        if (atomicAdd(&fm_tr_calls, 1u) % 97 == 0)
+            printf("FMTRACE n=%u ns=%u nt=%u want=%u | waited %llu..%llu threshold %llu appended %llu written %llu | last: start %llu loaded %llu sorted %llu end %llu\n",
+                   n, ns, nt, want, fm_tr[1] - t0, fm_tr[2] - t0, fm_tr[3] - t0, fm_tr[4] - t0, fm_tr[5] - t0,
+                   L[0] - t0, L[1] - t0, L[2] - t0, L[3] - t0);
+        fm_tr[0] = ~0ull;
+        fm_tr[1] = ~0ull;
+        for (int i = 2; i < 8; ++i) fm_tr[i] = 0;
+    }
+#endif
+}
+
+// Grid: (FM_RANK_MAX / FM_ORDER_CANDS, sequences), FM_ORDER_THREADS threads.
+// Block x ranks candidates [x * FM_ORDER_CANDS, (x + 1) * FM_ORDER_CANDS) of
+// the `ranked` ones (sure keys first, then ties): FM_ORDER_SLICES threads per
+// candidate count the keys of its group above it, one slice of the group
+// each. Keys are unique, so the ranks are distinct.
+#define FM_ORDER_CANDS 64
+#define FM_ORDER_SLICES 4
+#define FM_ORDER_THREADS (FM_ORDER_CANDS * FM_ORDER_SLICES)
+static_assert(FM_RANK_MAX % FM_ORDER_CANDS == 0, "whole blocks of candidates");
+extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBatch B, const u32* err) {
+    __shared__ u64 keys[FM_RANK_MAX];
+    __shared__ u32 part[FM_ORDER_SLICES][FM_ORDER_CANDS];
+    wait_prerequisites();  // fm_select has filed and published the candidates
+    const SelectSeq& S = B.seq[blockIdx.y];
+    const u32 want = min(B.k, S.n);
+    if (err[0] != 0) {  // a recorded error: no garbage, all -1
+        if (blockIdx.x == 0)
+            for (u32 i = threadIdx.x; i < B.k; i += blockDim.x) S.out[i] = -1;
+        return;
+    }
+    if (blockIdx.x == 0)
+        for (u32 i = want + threadIdx.x; i < B.k; i += blockDim.x) S.out[i] = -1;
+    const u64 ranked = __ldcg(&S.st->ranked);
+    const u32 ns = st_sure(ranked), m = ns + st_tie(ranked);
+    const u32 c0 = blockIdx.x * FM_ORDER_CANDS;
+    if (c0 >= m) return;
+    // The groups this block's candidates belong to: keys [lo, hi).
+    const u32 c1 = min(c0 + FM_ORDER_CANDS, m);
+    const u32 lo = c0 < ns ? 0u : ns, hi = c1 > ns ? m : ns;
+    for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x)
+        keys[i - lo] = i < ns ? __ldcg(S.sure + i) : __ldcg(S.tie + (i - ns));
+    __syncthreads();
+    const u32 slot = threadIdx.x % FM_ORDER_CANDS, slice = threadIdx.x / FM_ORDER_CANDS;
+    const u32 c = c0 + slot;
+    u32 above = 0;
+    if (c < c1) {
+        const u64 key = keys[c - lo];
+        const u32 g0 = c < ns ? 0u : ns, g1 = c < ns ? ns : m;  // its group
+        const u32 per = (g1 - g0 + FM_ORDER_SLICES - 1) / FM_ORDER_SLICES;
+        const u32 a = g0 + slice * per, z = min(a + per, g1);
+        if (a < z) above = count_greater(keys + (a - lo), z - a, key);
+    }
+    part[slice][slot] = above;
+    __syncthreads();
+    if (slice == 0 && c < c1) {
+        u32 rank = c < ns ? 0u : ns;
+#pragma unroll
+        for (u32 i = 0; i < FM_ORDER_SLICES; ++i) rank += part[i][slot];
+        if (rank < want) S.out[rank] = (i32)(0xFFFFFFFFu - (u32)keys[c - lo]);
+    }
 }

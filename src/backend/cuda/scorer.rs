@@ -1,7 +1,8 @@
 //! The FlashMemory scorer on CUDA (kernels/scorer.cu): projections (one GEMV
 //! over all scorers, weights read once per batch of up to 64 sequences),
-//! tensor-core scoring with the ensemble fused in, and an exact top-k. Three
-//! launches per call, chained by programmatic dependent launch on Hopper; no
+//! tensor-core scoring with the ensemble fused in, and an exact top-k (filed
+//! by fm_select, ranked by fm_order). Four launches per call, chained by
+//! programmatic dependent launch on Hopper; no
 //! host synchronisation unless `sync` is set, so a decode step can be
 //! captured in a CUDA graph (scorer -> swap-in -> attention).
 //!
@@ -35,6 +36,10 @@ const SEL_THREADS: u32 = 512;
 const SEL_ITEMS: u32 = 4;
 const TIE_SMEM: usize = 6144;
 const SEL_SMEM: u32 = ((TOPK_MAX + TIE_SMEM) * 8) as u32;
+/// fm_order: candidates per block and threads per block (FM_ORDER_CANDS,
+/// FM_ORDER_THREADS).
+const ORDER_CANDS: u32 = 64;
+const ORDER_THREADS: u32 = 256;
 // fm_select's SelectState packs the tie count of a sequence in 24 bits (FM_MAX_CHUNKS in scorer.cu).
 const _: () = assert!(crate::scorer::FM_MAX_CHUNKS < 1 << 24);
 /// Dynamic shared memory of fm_project_*_b{1,8,64}: MAXB x KT x 4 bytes.
@@ -229,8 +234,8 @@ pub struct CudaScorer {
     weights: DeviceBuffer,
     project: [Kernel; 3],
     score: Kernel,
-    /// fm_select.
-    select: Kernel,
+    /// fm_select and fm_order.
+    select: Selection,
     score_smem: u32,
     /// Chunks per block tile and threads per block of the scoring kernel.
     score_tile: u32,
@@ -288,6 +293,11 @@ impl CudaScorer {
             && [64, 128, 192, 256].contains(&(s * h))
             && wg_smem_total as i32 <= dev.smem_optin
             && forced != "mma";
+        // Development only: extra NVRTC options, e.g. "-DFM_TRACE" (a timeline
+        // of the selection kernel, printed by the device).
+        if let Ok(extra) = std::env::var("KVSWAP_FM_DEFINES") {
+            defines.extend(extra.split_whitespace().map(String::from));
+        }
         if wgmma {
             defines.push("-DFM_WGMMA".into());
             defines.push("--gpu-architecture=sm_90a".into());
@@ -341,8 +351,7 @@ impl CudaScorer {
             k.set_max_dynamic_smem(score_smem as i32)?;
             (k, score_smem, 64u32, 32 * score_warps(s, h))
         };
-        let select = f("fm_select".into())?;
-        select.set_max_dynamic_smem(SEL_SMEM as i32)?;
+        let select = Selection::new(&module)?;
         let pdl = dev.cc.0 >= 9;
         drop(_g);
         log::info!(
@@ -515,7 +524,7 @@ impl CudaScorer {
             // SAFETY: parameters match fm_score(ScoreBatch, u32*); keys checked above.
             unsafe { self.launch.dependent(&self.score, (per_seq, b as u32), self.score_threads, self.score_smem, s, &mut params)? };
             let sel_blocks = (max_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
-            launch_select(&self.launch, &self.select, &mut sel, sel_blocks, err, s)?;
+            self.select.launch(&self.launch, &mut sel, sel_blocks, err, s)?;
         }
         if self.sync {
             driver::stream_sync(s)?;
@@ -572,14 +581,31 @@ impl CudaScorer {
     }
 }
 
-/// The selection (kernels/scorer.cu: fm_select), a programmatic dependent of
-/// the scoring kernel.
-fn launch_select(launch: &Launch, k: &Kernel, sel: &mut SelectBatch, blocks: u32, err: u64, s: CUstream) -> Result<()> {
-    let mut err = err;
-    let grid = (blocks, sel.n_seqs);
-    let mut params = [sel as *mut SelectBatch as *mut c_void, &mut err as *mut u64 as *mut c_void];
-    // SAFETY: parameters match fm_select(SelectBatch, const u32*); buffers sized by the workspace.
-    unsafe { launch.dependent(k, grid, SEL_THREADS, SEL_SMEM, s, &mut params) }
+/// The global top-k (kernels/scorer.cu): fm_select files the candidates,
+/// fm_order ranks them and writes the result; each a programmatic dependent
+/// of the kernel before it.
+struct Selection {
+    select: Kernel,
+    order: Kernel,
+}
+
+impl Selection {
+    fn new(module: &Module) -> Result<Selection> {
+        let select = module.function(c"fm_select")?;
+        select.set_max_dynamic_smem(SEL_SMEM as i32)?;
+        Ok(Selection { select, order: module.function(c"fm_order")? })
+    }
+
+    fn launch(&self, launch: &Launch, sel: &mut SelectBatch, blocks: u32, err: u64, s: CUstream) -> Result<()> {
+        let mut err = err;
+        let mut params = [sel as *mut SelectBatch as *mut c_void, &mut err as *mut u64 as *mut c_void];
+        // SAFETY: parameters match fm_select(SelectBatch, const u32*) and
+        // fm_order(SelectBatch, const u32*); buffers sized by the workspace.
+        unsafe {
+            launch.dependent(&self.select, (blocks, sel.n_seqs), SEL_THREADS, SEL_SMEM, s, &mut params)?;
+            launch.dependent(&self.order, ((TOPK_MAX as u32).div_ceil(ORDER_CANDS), sel.n_seqs), ORDER_THREADS, 0, s, &mut params)
+        }
+    }
 }
 
 fn score_warps(scorers: usize, heads: usize) -> u32 {
@@ -628,7 +654,7 @@ impl ScorerBackend for CudaScorer {
 /// The key-bounds scorer on one GPU (shared by every call on that device).
 pub struct CudaBounds {
     bounds: Kernel,
-    select: Kernel,
+    select: Selection,
     sync: bool,
     workspaces: Mutex<HashMap<u64, Workspace>>,
     _module: Module,
@@ -653,8 +679,7 @@ impl CudaBounds {
         let cubin = super::nvrtc::compile_cached("scorer.cu", crate::kernels::SCORER_CU, dev.cc)?;
         let module = Module::load(&cubin)?;
         let bounds = module.function(c"fm_bounds_score")?;
-        let select = module.function(c"fm_select")?;
-        select.set_max_dynamic_smem(SEL_SMEM as i32)?;
+        let select = Selection::new(&module)?;
         let pdl = dev.cc.0 >= 9;
         drop(_g);
         let b = Arc::new(CudaBounds { bounds, select, sync, workspaces: Mutex::new(HashMap::new()), _module: module, launch: Launch { device: dev, pdl } });
@@ -714,7 +739,7 @@ impl BoundsBackend for CudaBoundsHandle {
             pad: 0,
         };
         let blocks = (b.n_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
-        launch_select(&me.launch, &me.select, &mut sel, blocks, err, s)?;
+        me.select.launch(&me.launch, &mut sel, blocks, err, s)?;
         if me.sync {
             driver::stream_sync(s)?;
             ws.take_error(s)?;
