@@ -73,7 +73,7 @@ if [[ $what == sass ]]; then
   # Per-instruction stall samples (SASS) and the details page of the kernels
   # matching $NCU_KERNELS, from one launch each after warm-up.
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  step ncu-rep "$NCU" --clock-control none --kernel-name "regex:${NCU_KERNELS:-fm_score_wg|fm_select}" --launch-skip ${NCU_SKIP:-6} \
+  step ncu-rep "$NCU" --clock-control none --kernel-name "regex:${NCU_KERNELS:-fm_score_wg|fm_select|fm_order}" --launch-skip ${NCU_SKIP:-6} \
     --launch-count ${NCU_COUNT:-3} --section SourceCounters --section WarpStateStats --section SpeedOfLight \
     --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
     -o "$OUT/prof" .gpu/kvswap bench --backend cuda --scorer --quick

@@ -1043,22 +1043,6 @@ static_assert(FM_MAX_CHUNKS < (1u << (FM_ST_DONE_SHIFT - FM_ST_TIE_SHIFT)) && FM
 #define FM_GROUP_MAX 512    // a boundary group this small is ranked by counting
 
 
-// Development timeline of fm_select (KVSWAP_FM_DEFINES=-DFM_TRACE): block
-// phases as the latest block reached them, then the last block's phases, in
-// ns from the first block's start, printed every 97th call.
-#ifdef FM_TRACE
-__device__ u64 fm_tr[8] = {~0ull, ~0ull, 0, 0, 0, 0, 0, 0};
-__device__ u32 fm_tr_calls;
-__device__ __forceinline__ u64 gtime() { u64 t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }
-#define TR_MIN(i) do { __syncthreads(); if (threadIdx.x == 0) atomicMin(&fm_tr[i], gtime()); } while (0)
-#define TR_MAX(i) do { __syncthreads(); if (threadIdx.x == 0) atomicMax(&fm_tr[i], gtime()); } while (0)
-#define TR_LAST(v) do { __syncthreads(); v = gtime(); } while (0)
-#else
-#define TR_MIN(i)
-#define TR_MAX(i)
-#define TR_LAST(v)
-#endif
-
 __device__ __forceinline__ u64 key64(u32 skey, u32 id) { return ((u64)skey << 32) | (u64)(0xFFFFFFFFu - id); }
 
 // Within 64 bins h[0..64) (the caller's view), the bin b with
@@ -1229,16 +1213,11 @@ __device__ __forceinline__ void narrow_topk(const u64* keys, u32 m, u32 want, in
 
 // Grid: (ceil(n / (FM_SEL_THREADS * FM_SEL_ITEMS)), sequences), FM_SEL_THREADS
 // threads, (FM_RANK_MAX + FM_TIE_SMEM) * 8 bytes of dynamic shared memory.
+// `err` is read by fm_order (the same parameters).
 extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBatch B, const u32* err) {
     extern __shared__ u64 sh_keys[];  // fin [FM_RANK_MAX] | ties [FM_TIE_SMEM]
     __shared__ u32 s_last, s_nfin, s_base_sure, s_base_tie, s_ns, s_nt;
-#ifdef FM_TRACE
-    u64 L[4] = {0, 0, 0, 0};
-#endif
-    TR_MIN(0);
-    wait_prerequisites();
-    TR_MIN(1);
-    TR_MAX(2);  // skey and hist come from the scoring kernel
+    wait_prerequisites();  // skey and hist come from the scoring kernel
     allow_dependents();
     const SelectSeq& S = B.seq[blockIdx.y];
     const u32 n = S.n;
@@ -1252,7 +1231,6 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
     }
     u32 above;
     const u32 b1 = threshold_bin(S.hist, want, &above);
-    TR_MAX(3);
     // 0 = out, 1 = tie, 2 = sure; counts packed sure | tie << 16 (< 2^16 each per block).
     u32 cls[FM_SEL_ITEMS], packed = 0;
 #pragma unroll
@@ -1271,7 +1249,6 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
         s_base_tie = st_tie(old);
     }
     __syncthreads();
-    TR_MAX(4);
     u32 at_sure = s_base_sure + (at & 0xffffu), at_tie = s_base_tie + (at >> 16);
 #pragma unroll
     for (u32 j = 0; j < FM_SEL_ITEMS; ++j) {
@@ -1285,7 +1262,6 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
     // count, and the last block's reads after every count. Every block
     // appended before it counted itself done (same counter), so the last
     // one's increment returns the final candidate counts.
-    TR_MAX(5);
     if (threadIdx.x == 0) {
         __threadfence();
         const u64 old = atomicAdd(&S.st->counts, 1ull << FM_ST_DONE_SHIFT);
@@ -1296,7 +1272,6 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
     }
     __syncthreads();
     if (!s_last) return;
-    TR_LAST(L[0]);
     const u32 ns = s_ns, nt = s_nt;
     // Every block has read the histogram (they all counted themselves done):
     // leave it zeroed for the next call.
@@ -1321,22 +1296,7 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
         for (u32 i = threadIdx.x; i < want; i += blockDim.x) S.sure[i] = fin[i];
         if (threadIdx.x == 0) S.st->ranked = want;
     }
-    TR_LAST(L[1]);
-    TR_LAST(L[2]);
     if (threadIdx.x == 0) S.st->counts = 0;
-#ifdef FM_TRACE
-    TR_LAST(L[3]);
-    if (threadIdx.x == 0) {
-        const u64 t0 = fm_tr[0];
-        if (atomicAdd(&fm_tr_calls, 1u) % 97 == 0)
-            printf("FMTRACE n=%u ns=%u nt=%u want=%u | waited %llu..%llu threshold %llu appended %llu written %llu | last: start %llu loaded %llu sorted %llu end %llu\n",
-                   n, ns, nt, want, fm_tr[1] - t0, fm_tr[2] - t0, fm_tr[3] - t0, fm_tr[4] - t0, fm_tr[5] - t0,
-                   L[0] - t0, L[1] - t0, L[2] - t0, L[3] - t0);
-        fm_tr[0] = ~0ull;
-        fm_tr[1] = ~0ull;
-        for (int i = 2; i < 8; ++i) fm_tr[i] = 0;
-    }
-#endif
 }
 
 // Grid: (FM_RANK_MAX / FM_ORDER_CANDS, sequences), FM_ORDER_THREADS threads.

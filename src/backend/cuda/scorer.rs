@@ -293,11 +293,6 @@ impl CudaScorer {
             && [64, 128, 192, 256].contains(&(s * h))
             && wg_smem_total as i32 <= dev.smem_optin
             && forced != "mma";
-        // Development only: extra NVRTC options, e.g. "-DFM_TRACE" (a timeline
-        // of the selection kernel, printed by the device).
-        if let Ok(extra) = std::env::var("KVSWAP_FM_DEFINES") {
-            defines.extend(extra.split_whitespace().map(String::from));
-        }
         if wgmma {
             defines.push("-DFM_WGMMA".into());
             defines.push("--gpu-architecture=sm_90a".into());
