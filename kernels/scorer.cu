@@ -11,11 +11,13 @@
 //                  and a histogram of the keys' top FM_HIST_BITS bits.
 //   fm_bounds_score  the training-free (Quest-style) scorer, same outputs.
 //   fm_select      one pass over the keys: candidates above (certain) and in
-//                  (ties) the threshold bin of the 12-bit histogram; the last
-//                  block narrows the ties by radix passes and writes each
-//                  winner's id at its position in descending 64-bit key order
-//                  (score key << 32 | ~id), -1 padded, and leaves the histogram
-//                  and counters zeroed for the next call (no memset on replay).
+//                  (ties) the threshold bin of the 12-bit histogram, appended
+//                  to two lists; block 0 publishes how many of each.
+//   fm_order       ranks the candidates by counting over many blocks and
+//                  writes each winner's id at its rank in descending 64-bit
+//                  key order (score key << 32 | ~id), -1 padded; leaves the
+//                  histogram and counters zeroed for the next call (no memset
+//                  on replay).
 
 
 #ifndef FM_SCORERS
@@ -987,33 +989,30 @@ extern "C" __global__ void fm_bounds_score(const float* q, const float* bmin, co
 // with count(bins > b) < want <= count(bins >= b)), then files its keys:
 // above b into `sure` (certainly in the top-k), in b into `tie`. Keys are
 // 64-bit (score key << 32 | ~id), so descending key order is descending
-// score with ties to the lower id. The last block to finish leaves the
-// histogram zeroed for the next call (graph replay needs no memset) and
-// publishes the candidates; when sure and ties together exceed FM_RANK_MAX
-// it first narrows the ties to the `want - n_sure` best (8-bit radix passes,
-// in shared memory when they fit). fm_order, its programmatic dependent,
-// ranks the candidates by counting, spread over many blocks (a sure key
-// among the sure keys, a tie among the ties after them), and writes the ids
-// of ranks below `want`, -1 padded (all -1 after a recorded error).
+// score with ties to the lower id. The histogram tells every block how many
+// sure keys and ties there are in all; block 0 publishes the two counts.
+// fm_order, its programmatic dependent, ranks the candidates by counting,
+// spread over many blocks (a sure key among the sure keys, a tie among the
+// ties after them), and writes the ids of ranks below `want`, -1 padded (all
+// -1 after a recorded error). When there are more than FM_ORDER_MAX
+// candidates (many equal scores), its block 0 alone narrows the ties to the
+// `want - n_sure` best by 8-bit radix passes and ranks the winners. fm_order's
+// block 0 also zeroes the histogram and the append counters for the next
+// call (graph replay needs no memset): no fm_order block reads them.
 
-// Per-sequence selection state. `counts` is zero between calls (the last
-// block resets it); its three fields let one atomic both append a block's
-// candidates and, later, count the block as done: the last block's done
-// increment returns the final candidate counts.
-//   bits  0..19  sure keys  (< want <= FM_RANK_MAX)
-//   bits 20..43  tie keys   (<= n <= 2^22)
-//   bits 44..63  blocks done (<= 2^22 / (FM_SEL_THREADS * FM_SEL_ITEMS))
-// `ranked` holds the candidates fm_order ranks (sure and tie fields),
-// written by fm_select's last block.
+// Per-sequence selection state.
+//   appended  fm_select's append cursors: sure keys in bits 0..19 (< want <=
+//             FM_RANK_MAX), ties in bits 20..43 (<= n <= 2^22); one atomic
+//             reserves a block's places in both lists. Zero between calls.
+//   filed     the final counts, same fields, published by fm_select's block 0
+//             and read by fm_order.
 struct SelectState {
-    u64 counts;
-    u64 ranked;
+    u64 appended;
+    u64 filed;
 };
 #define FM_ST_TIE_SHIFT 20
-#define FM_ST_DONE_SHIFT 44
 __device__ __forceinline__ u32 st_sure(u64 c) { return (u32)(c & ((1u << FM_ST_TIE_SHIFT) - 1u)); }
-__device__ __forceinline__ u32 st_tie(u64 c) { return (u32)((c >> FM_ST_TIE_SHIFT) & ((1u << (FM_ST_DONE_SHIFT - FM_ST_TIE_SHIFT)) - 1u)); }
-__device__ __forceinline__ u32 st_done(u64 c) { return (u32)(c >> FM_ST_DONE_SHIFT); }
+__device__ __forceinline__ u32 st_tie(u64 c) { return (u32)(c >> FM_ST_TIE_SHIFT); }
 
 struct SelectSeq {
     const u32* skey;   // [n]
@@ -1035,10 +1034,8 @@ struct SelectBatch {
 #define FM_SEL_THREADS 512
 #define FM_SEL_ITEMS 4      // keys per thread
 #define FM_RANK_MAX 2048    // the largest k
-#define FM_TIE_SMEM 6144    // ties narrowed in shared memory when they fit (else read from global)
 #define FM_MAX_CHUNKS 4194304u  // scorer::FM_MAX_CHUNKS (checked on the host)
-static_assert(FM_MAX_CHUNKS < (1u << (FM_ST_DONE_SHIFT - FM_ST_TIE_SHIFT)) && FM_RANK_MAX < (1u << FM_ST_TIE_SHIFT) &&
-                  FM_MAX_CHUNKS / (FM_SEL_THREADS * FM_SEL_ITEMS) < (1u << (64 - FM_ST_DONE_SHIFT)),
+static_assert(FM_MAX_CHUNKS < (1u << (64 - FM_ST_TIE_SHIFT - 20)) && FM_RANK_MAX < (1u << FM_ST_TIE_SHIFT),
               "SelectState fields hold their counts");
 #define FM_GROUP_MAX 512    // a boundary group this small is ranked by counting
 
@@ -1046,9 +1043,9 @@ static_assert(FM_MAX_CHUNKS < (1u << (FM_ST_DONE_SHIFT - FM_ST_TIE_SHIFT)) && FM
 __device__ __forceinline__ u64 key64(u32 skey, u32 id) { return ((u64)skey << 32) | (u64)(0xFFFFFFFFu - id); }
 
 // Within 64 bins h[0..64) (the caller's view), the bin b with
-// count(> b) < want <= count(>= b), and the count above it. One warp, every
-// lane gets the result; lane l holds bins 63 - 2l and 62 - 2l.
-__device__ __forceinline__ u32 warp_threshold64(u32 hi_bin, u32 lo_bin, u32 want, u32* above_out) {
+// count(> b) < want <= count(>= b), the count above it and its own. One
+// warp, every lane gets the result; lane l holds bins 63 - 2l and 62 - 2l.
+__device__ __forceinline__ u32 warp_threshold64(u32 hi_bin, u32 lo_bin, u32 want, u32* above_out, u32* count_out) {
     const u32 lane = threadIdx.x & 31u;
     const u32 local = hi_bin + lo_bin;
     const u32 incl = warp_inclusive_sum(local);
@@ -1059,29 +1056,32 @@ __device__ __forceinline__ u32 warp_threshold64(u32 hi_bin, u32 lo_bin, u32 want
     const u32 bin = 63 - 2 * lane - (upper ? 0u : 1u);
     const u32 above = upper ? before : before + hi_bin;
     *above_out = __shfl_sync(KVS_FULL_MASK, above, src);
+    *count_out = __shfl_sync(KVS_FULL_MASK, upper ? hi_bin : lo_bin, src);
     return __shfl_sync(KVS_FULL_MASK, bin, src);
 }
 
 // The threshold bin: the highest fine bin b with count(bins > b) < want <=
 // count(bins >= b), from the coarse bins and then the 64 fine bins of the
 // chosen coarse one (two reads by one warp). Returns b and writes the count
-// above it. Every thread of the block gets the result.
-__device__ u32 threshold_bin(const u32* hist, u32 want, u32* above_out) {
-    __shared__ u32 s_bin, s_above;
+// above it and its own. Every thread of the block gets the result.
+__device__ u32 threshold_bin(const u32* hist, u32 want, u32* above_out, u32* count_out) {
+    __shared__ u32 s_bin, s_above, s_count;
     if (threadIdx.x < 32) {
         const u32 lane = threadIdx.x;
-        u32 above_c, above_f;
+        u32 above_c, above_f, count_c, count_f;
         const u32* coarse = hist + FM_HIST;
-        const u32 c = warp_threshold64(coarse[63 - 2 * lane], coarse[62 - 2 * lane], want, &above_c);
+        const u32 c = warp_threshold64(coarse[63 - 2 * lane], coarse[62 - 2 * lane], want, &above_c, &count_c);
         const u32* fine = hist + c * FM_FINE_PER_COARSE;
-        const u32 f = warp_threshold64(fine[63 - 2 * lane], fine[62 - 2 * lane], want - above_c, &above_f);
+        const u32 f = warp_threshold64(fine[63 - 2 * lane], fine[62 - 2 * lane], want - above_c, &above_f, &count_f);
         if (lane == 0) {
             s_bin = c * FM_FINE_PER_COARSE + f;
             s_above = above_c + above_f;
+            s_count = count_f;
         }
     }
     __syncthreads();
     *above_out = s_above;
+    *count_out = s_count;
     return s_bin;
 }
 
@@ -1212,11 +1212,9 @@ __device__ __forceinline__ void narrow_topk(const u64* keys, u32 m, u32 want, in
 }
 
 // Grid: (ceil(n / (FM_SEL_THREADS * FM_SEL_ITEMS)), sequences), FM_SEL_THREADS
-// threads, (FM_RANK_MAX + FM_TIE_SMEM) * 8 bytes of dynamic shared memory.
-// `err` is read by fm_order (the same parameters).
+// threads. `err` is read by fm_order (the two take the same parameters).
 extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBatch B, const u32* err) {
-    extern __shared__ u64 sh_keys[];  // fin [FM_RANK_MAX] | ties [FM_TIE_SMEM]
-    __shared__ u32 s_last, s_nfin, s_base_sure, s_base_tie, s_ns, s_nt;
+    __shared__ u32 s_base_sure, s_base_tie;
     wait_prerequisites();  // skey and hist come from the scoring kernel
     allow_dependents();
     const SelectSeq& S = B.seq[blockIdx.y];
@@ -1229,8 +1227,9 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
         const u32 c = lo + j * FM_SEL_THREADS + threadIdx.x;
         skeys[j] = c < n ? S.skey[c] : 0u;
     }
-    u32 above;
-    const u32 b1 = threshold_bin(S.hist, want, &above);
+    u32 n_sure, n_tie;
+    const u32 b1 = threshold_bin(S.hist, want, &n_sure, &n_tie);
+    if (blockIdx.x == 0 && threadIdx.x == 0) S.st->filed = (u64)n_sure | ((u64)n_tie << FM_ST_TIE_SHIFT);
     // 0 = out, 1 = tie, 2 = sure; counts packed sure | tie << 16 (< 2^16 each per block).
     u32 cls[FM_SEL_ITEMS], packed = 0;
 #pragma unroll
@@ -1242,9 +1241,9 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
     }
     u32 total;
     const u32 at = block_exclusive_sum(packed, &total);
+    if (total == 0) return;  // uniform: nothing to file
     if (threadIdx.x == 0) {
-        u64 old = 0;
-        if (total != 0) old = atomicAdd(&S.st->counts, (u64)(total & 0xffffu) | ((u64)(total >> 16) << FM_ST_TIE_SHIFT));
+        const u64 old = atomicAdd(&S.st->appended, (u64)(total & 0xffffu) | ((u64)(total >> 16) << FM_ST_TIE_SHIFT));
         s_base_sure = st_sure(old);
         s_base_tie = st_tie(old);
     }
@@ -1256,73 +1255,53 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
         if (cls[j] == 2u) S.sure[at_sure++] = key64(skeys[j], c);
         else if (cls[j] == 1u) S.tie[at_tie++] = key64(skeys[j], c);
     }
-    // The last block of this sequence to finish picks the result. One thread
-    // fences for the block after the barrier (the cooperative-groups grid
-    // sync pattern): the block's candidate writes are ordered before its
-    // count, and the last block's reads after every count. Every block
-    // appended before it counted itself done (same counter), so the last
-    // one's increment returns the final candidate counts.
-    if (threadIdx.x == 0) {
-        __threadfence();
-        const u64 old = atomicAdd(&S.st->counts, 1ull << FM_ST_DONE_SHIFT);
-        s_last = st_done(old) == gridDim.x - 1;
-        s_ns = st_sure(old);
-        s_nt = st_tie(old);
-        if (s_last) __threadfence();
-    }
-    __syncthreads();
-    if (!s_last) return;
-    const u32 ns = s_ns, nt = s_nt;
-    // Every block has read the histogram (they all counted themselves done):
-    // leave it zeroed for the next call.
-    for (u32 i = threadIdx.x; i < FM_HIST_WORDS; i += blockDim.x) S.hist[i] = 0;
-    if (ns + nt <= FM_RANK_MAX) {
-        // Few candidates (the usual case): fm_order ranks them all.
-        if (threadIdx.x == 0) S.st->ranked = (u64)ns | ((u64)nt << FM_ST_TIE_SHIFT);
-    } else {
-        // Narrow the ties to the `want - ns` best (ns < want: the threshold
-        // bin holds the want-th key); the `want` winners go to `sure`.
-        u64* fin = sh_keys;                 // [FM_RANK_MAX]
-        u64* ties = sh_keys + FM_RANK_MAX;  // [FM_TIE_SMEM]
-        for (u32 i = threadIdx.x; i < ns; i += blockDim.x) fin[i] = __ldcg(S.sure + i);
-        if (threadIdx.x == 0) s_nfin = ns;
-        const bool in_smem = nt <= FM_TIE_SMEM;
-        if (in_smem)
-            for (u32 i = threadIdx.x; i < nt; i += blockDim.x) ties[i] = __ldcg(S.tie + i);
-        __syncthreads();
-        // Ties share the top FM_HIST_BITS bits of the 64-bit key.
-        if (in_smem) narrow_topk<false>(ties, nt, want - ns, 64 - FM_HIST_BITS, fin, &s_nfin);
-        else narrow_topk<true>(S.tie, nt, want - ns, 64 - FM_HIST_BITS, fin, &s_nfin);
-        for (u32 i = threadIdx.x; i < want; i += blockDim.x) S.sure[i] = fin[i];
-        if (threadIdx.x == 0) S.st->ranked = want;
-    }
-    if (threadIdx.x == 0) S.st->counts = 0;
 }
 
-// Grid: (FM_RANK_MAX / FM_ORDER_CANDS, sequences), FM_ORDER_THREADS threads.
-// Block x ranks candidates [x * FM_ORDER_CANDS, (x + 1) * FM_ORDER_CANDS) of
-// the `ranked` ones (sure keys first, then ties): FM_ORDER_SLICES threads per
-// candidate count the keys of its group above it, one slice of the group
-// each. Keys are unique, so the ranks are distinct.
+// Grid: (FM_ORDER_MAX / FM_ORDER_CANDS, sequences), FM_ORDER_THREADS threads.
+// Block x ranks candidates [x * FM_ORDER_CANDS, (x + 1) * FM_ORDER_CANDS)
+// (sure keys first, then ties): FM_ORDER_SLICES threads per candidate count
+// the keys of its group above it, one slice of the group each. Keys are
+// unique, so the ranks are distinct.
+#define FM_ORDER_MAX 4096
 #define FM_ORDER_CANDS 64
-#define FM_ORDER_SLICES 4
+#define FM_ORDER_SLICES 8
 #define FM_ORDER_THREADS (FM_ORDER_CANDS * FM_ORDER_SLICES)
-static_assert(FM_RANK_MAX % FM_ORDER_CANDS == 0, "whole blocks of candidates");
+static_assert(FM_ORDER_MAX % FM_ORDER_CANDS == 0 && FM_ORDER_MAX >= FM_RANK_MAX, "whole blocks of candidates");
+
+// More than FM_ORDER_MAX candidates: one block narrows the ties to the
+// `want - ns` best and ranks the `want` winners (fin: FM_RANK_MAX keys of
+// shared memory) among themselves.
+__device__ void order_narrowed(const SelectSeq& S, u32 ns, u32 nt, u32 want, u64* fin) {
+    __shared__ u32 s_nfin;
+    for (u32 i = threadIdx.x; i < ns; i += blockDim.x) fin[i] = __ldcg(S.sure + i);
+    if (threadIdx.x == 0) s_nfin = ns;
+    __syncthreads();
+    // Ties share the top FM_HIST_BITS bits of the 64-bit key.
+    narrow_topk<true>(S.tie, nt, want - ns, 64 - FM_HIST_BITS, fin, &s_nfin);
+    for (u32 i = threadIdx.x; i < want; i += blockDim.x)
+        S.out[count_greater(fin, want, fin[i])] = (i32)(0xFFFFFFFFu - (u32)fin[i]);
+}
+
 extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBatch B, const u32* err) {
-    __shared__ u64 keys[FM_RANK_MAX];
+    __shared__ u64 keys[FM_ORDER_MAX];
     __shared__ u32 part[FM_ORDER_SLICES][FM_ORDER_CANDS];
     wait_prerequisites();  // fm_select has filed and published the candidates
     const SelectSeq& S = B.seq[blockIdx.y];
     const u32 want = min(B.k, S.n);
-    if (err[0] != 0) {  // a recorded error: no garbage, all -1
-        if (blockIdx.x == 0)
-            for (u32 i = threadIdx.x; i < B.k; i += blockDim.x) S.out[i] = -1;
+    const u64 filed = __ldcg(&S.st->filed);
+    if (blockIdx.x == 0) {
+        // fm_select is done with the histogram and the append counters, and
+        // no block of this launch reads them: zero them for the next call.
+        for (u32 i = threadIdx.x; i < FM_HIST_WORDS; i += blockDim.x) S.hist[i] = 0;
+        if (threadIdx.x == 0) S.st->appended = 0;
+        for (u32 i = (err[0] != 0 ? 0u : want) + threadIdx.x; i < B.k; i += blockDim.x) S.out[i] = -1;
+    }
+    if (err[0] != 0) return;  // a recorded error: no garbage, all -1 (above)
+    const u32 ns = st_sure(filed), nt = st_tie(filed), m = ns + nt;
+    if (m > FM_ORDER_MAX) {
+        if (blockIdx.x == 0) order_narrowed(S, ns, nt, want, keys);
         return;
     }
-    if (blockIdx.x == 0)
-        for (u32 i = want + threadIdx.x; i < B.k; i += blockDim.x) S.out[i] = -1;
-    const u64 ranked = __ldcg(&S.st->ranked);
-    const u32 ns = st_sure(ranked), m = ns + st_tie(ranked);
     const u32 c0 = blockIdx.x * FM_ORDER_CANDS;
     if (c0 >= m) return;
     // The groups this block's candidates belong to: keys [lo, hi).
@@ -1338,8 +1317,8 @@ extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBa
         const u64 key = keys[c - lo];
         const u32 g0 = c < ns ? 0u : ns, g1 = c < ns ? ns : m;  // its group
         const u32 per = (g1 - g0 + FM_ORDER_SLICES - 1) / FM_ORDER_SLICES;
-        const u32 a = g0 + slice * per, z = min(a + per, g1);
-        if (a < z) above = count_greater(keys + (a - lo), z - a, key);
+        const u32 a = min(g0 + slice * per, g1), z = min(a + per, g1);
+        above = count_greater(keys + (a - lo), z - a, key);
     }
     part[slice][slot] = above;
     __syncthreads();

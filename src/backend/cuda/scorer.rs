@@ -30,17 +30,16 @@ const WG_STAGES: usize = 3;
 /// Words of a sequence's global histogram: HIST fine + 64 coarse bins (FM_HIST_WORDS).
 const HIST_WORDS: usize = HIST + 64;
 const TOPK_MAX: usize = 2048;
-/// fm_select: threads per block, keys per thread, and the tie candidates it
-/// narrows in shared memory (FM_SEL_THREADS, FM_SEL_ITEMS, FM_TIE_SMEM).
+/// fm_select: threads per block and keys per thread (FM_SEL_THREADS,
+/// FM_SEL_ITEMS).
 const SEL_THREADS: u32 = 512;
 const SEL_ITEMS: u32 = 4;
-const TIE_SMEM: usize = 6144;
-const SEL_SMEM: u32 = ((TOPK_MAX + TIE_SMEM) * 8) as u32;
-/// fm_order: candidates per block and threads per block (FM_ORDER_CANDS,
-/// FM_ORDER_THREADS).
+/// fm_order: candidates it ranks in parallel, per block, and threads per
+/// block (FM_ORDER_MAX, FM_ORDER_CANDS, FM_ORDER_THREADS).
+const ORDER_MAX: u32 = 4096;
 const ORDER_CANDS: u32 = 64;
-const ORDER_THREADS: u32 = 256;
-// fm_select's SelectState packs the tie count of a sequence in 24 bits (FM_MAX_CHUNKS in scorer.cu).
+const ORDER_THREADS: u32 = 512;
+// The selection state packs a sequence's tie count in 24 bits (FM_MAX_CHUNKS in scorer.cu).
 const _: () = assert!(crate::scorer::FM_MAX_CHUNKS < 1 << 24);
 /// Dynamic shared memory of fm_project_*_b{1,8,64}: MAXB x KT x 4 bytes.
 const PROJECT_SMEM: [u32; 3] = [4096 * 4, 8 * 1024 * 4, 64 * 256 * 4];
@@ -586,9 +585,7 @@ struct Selection {
 
 impl Selection {
     fn new(module: &Module) -> Result<Selection> {
-        let select = module.function(c"fm_select")?;
-        select.set_max_dynamic_smem(SEL_SMEM as i32)?;
-        Ok(Selection { select, order: module.function(c"fm_order")? })
+        Ok(Selection { select: module.function(c"fm_select")?, order: module.function(c"fm_order")? })
     }
 
     fn launch(&self, launch: &Launch, sel: &mut SelectBatch, blocks: u32, err: u64, s: CUstream) -> Result<()> {
@@ -597,8 +594,8 @@ impl Selection {
         // SAFETY: parameters match fm_select(SelectBatch, const u32*) and
         // fm_order(SelectBatch, const u32*); buffers sized by the workspace.
         unsafe {
-            launch.dependent(&self.select, (blocks, sel.n_seqs), SEL_THREADS, SEL_SMEM, s, &mut params)?;
-            launch.dependent(&self.order, ((TOPK_MAX as u32).div_ceil(ORDER_CANDS), sel.n_seqs), ORDER_THREADS, 0, s, &mut params)
+            launch.dependent(&self.select, (blocks, sel.n_seqs), SEL_THREADS, 0, s, &mut params)?;
+            launch.dependent(&self.order, (ORDER_MAX / ORDER_CANDS, sel.n_seqs), ORDER_THREADS, 0, s, &mut params)
         }
     }
 }
