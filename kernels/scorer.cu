@@ -1266,6 +1266,8 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
 #define FM_ORDER_CANDS 64
 #define FM_ORDER_SLICES 8
 #define FM_ORDER_THREADS (FM_ORDER_CANDS * FM_ORDER_SLICES)
+#define FM_ORDER_PRE 2  // keys of each list prefetched per thread
+static_assert(FM_ORDER_PRE * FM_ORDER_THREADS <= FM_RANK_MAX, "prefetch inside the sure list");
 static_assert(FM_ORDER_MAX % FM_ORDER_CANDS == 0 && FM_ORDER_MAX >= FM_RANK_MAX, "whole blocks of candidates");
 
 // More than FM_ORDER_MAX candidates: one block narrows the ties to the
@@ -1288,6 +1290,15 @@ extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBa
     wait_prerequisites();  // fm_select has filed and published the candidates
     const SelectSeq& S = B.seq[blockIdx.y];
     const u32 want = min(B.k, S.n);
+    // The first keys of both lists, in flight with the counts (one L2 round
+    // trip instead of two for the usual few hundred candidates per list).
+    u64 pre_sure[FM_ORDER_PRE], pre_tie[FM_ORDER_PRE];
+#pragma unroll
+    for (u32 j = 0; j < FM_ORDER_PRE; ++j) {
+        const u32 i = threadIdx.x + j * FM_ORDER_THREADS;
+        pre_sure[j] = __ldcg(S.sure + i);                    // i < FM_RANK_MAX: inside the list
+        pre_tie[j] = i < S.n ? __ldcg(S.tie + i) : 0ull;     // the tie list holds n keys
+    }
     const u64 filed = __ldcg(&S.st->filed);
     if (blockIdx.x == 0) {
         // fm_select is done with the histogram and the append counters, and
@@ -1307,8 +1318,17 @@ extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBa
     // The groups this block's candidates belong to: keys [lo, hi).
     const u32 c1 = min(c0 + FM_ORDER_CANDS, m);
     const u32 lo = c0 < ns ? 0u : ns, hi = c1 > ns ? m : ns;
-    for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x)
-        keys[i - lo] = i < ns ? __ldcg(S.sure + i) : __ldcg(S.tie + (i - ns));
+    if (lo == 0 && hi == m && ns != 0 && nt != 0) {  // candidates of both groups
+        for (u32 i = threadIdx.x; i < m; i += FM_ORDER_THREADS) keys[i] = i < ns ? __ldcg(S.sure + i) : __ldcg(S.tie + (i - ns));
+    } else {  // one list: keys[i] = list[i], the first ones prefetched
+        const u64* list = lo == 0 && ns != 0 ? S.sure : S.tie;
+        const u32 len = hi - lo;
+#pragma unroll
+        for (u32 j = 0; j < FM_ORDER_MAX / FM_ORDER_THREADS; ++j) {
+            const u32 i = threadIdx.x + j * FM_ORDER_THREADS;
+            if (i < len) keys[i] = j < FM_ORDER_PRE ? (list == S.sure ? pre_sure[j] : pre_tie[j]) : __ldcg(list + i);
+        }
+    }
     __syncthreads();
     const u32 slot = threadIdx.x % FM_ORDER_CANDS, slice = threadIdx.x / FM_ORDER_CANDS;
     const u32 c = c0 + slot;
