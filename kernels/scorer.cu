@@ -667,6 +667,49 @@ __device__ __forceinline__ void wgmma_row(float* d, u64 a, u64 b, u32 acc) {
 #endif
 }
 
+
+// A from registers (f16), B from shared memory (f16): the fp8-key kernel.
+__device__ __forceinline__ void wgmma_rs_n64(float* d, const u32* a, u64 desc_b, u32 accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_rs_n128(float* d, const u32* a, u64 desc_b, u32 accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_rs_n192(float* d, const u32* a, u64 desc_b, u32 accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, {%96, %97, %98, %99}, %100, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_rs_n256(float* d, const u32* a, u64 desc_b, u32 accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_rs_row(float* d, const u32* a, u64 b, u32 acc) {
+#if FM_QROWS == 64
+    wgmma_rs_n64(d, a, b, acc);
+#elif FM_QROWS == 128
+    wgmma_rs_n128(d, a, b, acc);
+#elif FM_QROWS == 192
+    wgmma_rs_n192(d, a, b, acc);
+#else
+    wgmma_rs_n256(d, a, b, acc);
+#endif
+}
+
 #define WG_STAGES 3                        // tiles in flight per warpgroup
 #define WG_ROWS 64                         // chunks per warpgroup tile (one m64 wgmma row)
 #define WG_SUB_BYTES (WG_ROWS * FM_HEAD_DIM * 2)   // one bf16 warpgroup tile
@@ -675,6 +718,10 @@ __device__ __forceinline__ void wgmma_row(float* d, u64 a, u64 b, u32 acc) {
 #define WG_ORDER_BAR (1 + WG_GROUPS)       // named barriers WG_ORDER_BAR + g: warpgroup g's turn on the tensor cores
 // Named barrier ids: 0 = __syncthreads, 1 .. WG_GROUPS = one warpgroup, then the turns.
 static_assert(WG_ORDER_BAR + WG_GROUPS <= 16, "16 hardware barriers");
+
+// Raw fp8 tiles: row r's 16-byte chunk c sits at chunk c ^ raw_swz(r) (128-byte
+// rows: conflict-free 16-byte loads of two rows x four columns per quarter warp).
+__device__ __forceinline__ u32 raw_swz(u32 r) { return FM_HEAD_DIM == 128 ? (r & 7u) : 0u; }
 
 __device__ __forceinline__ void cp_async_wait_stages() {
     asm volatile("cp.async.wait_group %0;" ::"n"(WG_STAGES - 2) : "memory");
@@ -734,7 +781,7 @@ __device__ __forceinline__ void wg_issue(const u8* keys, u32 stride, u32 n, u32 
         constexpr u32 PER_ROW = FM_HEAD_DIM / 16;  // 16-byte pieces of an fp8 row
         for (u32 t = t0; t < WG_ROWS * PER_ROW; t += WG_GROUP_THREADS) {
             const u32 r = t / PER_ROW, c = t % PER_ROW;
-            u8* d = dst + r * FM_HEAD_DIM + c * 16;
+            u8* d = dst + r * FM_HEAD_DIM + ((c ^ raw_swz(r)) << 4);
             if (c0 + r < n) cp_async16(smem_addr(d), keys + (u64)(c0 + r) * stride + c * 16);
             else *(uint4*)d = make_uint4(0, 0, 0, 0);
         }
@@ -746,7 +793,7 @@ __device__ __forceinline__ void wg_issue(const u8* keys, u32 stride, u32 n, u32 
 __device__ void wg_convert_fp8(u32 t0, const u8* raw, u8* tile) {
     for (u32 t = t0; t < WG_ROWS * FM_CHUNKS16; t += WG_GROUP_THREADS) {
         const u32 r = t / FM_CHUNKS16, c = t % FM_CHUNKS16;
-        const uint2 v = *(const uint2*)(raw + r * FM_HEAD_DIM + c * 8);
+        const uint2 v = *(const uint2*)(raw + r * FM_HEAD_DIM + (((c >> 1) ^ raw_swz(r)) << 4) + (c & 1u) * 8);
         const u32 w[2] = {v.x, v.y};
         u32 o[4];
 #pragma unroll
@@ -940,6 +987,217 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg(ScoreBat
     flush_hist(sh_hist, S.hist);
 }
 
+
+#if FM_HEAD_DIM == 64 || FM_HEAD_DIM == 128
+// fm_score_wg_fp8: fp8 keys go from the raw tile straight into the A
+// registers of an f16 wgmma (one cvt per pair), with Q converted once per
+// block to f16, scaled by 2^e so that max |q| lands in [2^14, 2^15) (exact:
+// bf16 values fit f16's significand; only elements below 2^-24 of the max
+// lose bits). The dot products come out scaled by 2^e; the epilogue
+// multiplies by scale * 2^-e, which is exact whenever that product is a
+// normal float, and by 2^-e and scale in turn otherwise.
+//
+// The reduction over k is order-free, so k is permuted to suit the register
+// layout of A (rows g and g + 8 of each warp's 16, columns 2t, 2t + 1, 2t + 8,
+// 2t + 9 of each 16-wide k step, t = lane % 4): logical column 16s + 2t + j
+// (j = 0, 1) and 16s + 2t + 8 + j hold physical dims D/4 * t + 4s + j and
+// D/4 * t + 4s + 2 + j. Each thread then reads D/4 contiguous bytes per row,
+// and Q is stored with the same permutation.
+#define WG8_SEG (FM_HEAD_DIM / 4)  // bytes of a row per thread
+__device__ __forceinline__ u32 fp8_logical_k(u32 p) {
+    const u32 t = p / WG8_SEG, rem = p % WG8_SEG, st = rem / 4, j = rem % 4;
+    return 16 * st + 2 * t + (j < 2 ? j : 6 + j);
+}
+
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
+    u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)two));
+    return h2;
+}
+
+// x = d * c (MODE 1) or (d * inv) * scale (MODE 2), then the ensemble as
+// wg_row_score; wv from shared memory.
+template <int MODE>
+__device__ __forceinline__ float wg8_row_score(const float* d, u32 half, const float* sh_w, u32 lane, float c, float inv, float scale,
+                                               bool mean, bool& finite) {
+    finite = isfinite(d[2 * half]) && isfinite(scale);
+    float ens = 0.f;
+#pragma unroll
+    for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
+        float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (u32 j = sc * (FM_HEADS / 8); j < (sc + 1) * (FM_HEADS / 8); ++j) {
+            const float2 w2 = *(const float2*)(sh_w + j * 8 + 2 * (lane & 3u));
+#pragma unroll
+            for (u32 e = 0; e < 2; ++e) {
+                const float a = d[4 * j + 2 * half + e];
+                const float x = MODE == 1 ? a * c : (a * inv) * scale;
+                part[j & 3u] = fmaf(e ? w2.y : w2.x, fmaxf(x, 0.f), part[j & 3u]);
+            }
+        }
+        float si = (part[0] + part[1]) + (part[2] + part[3]);
+        si += __shfl_xor_sync(KVS_FULL_MASK, si, 1);
+        si += __shfl_xor_sync(KVS_FULL_MASK, si, 2);
+        finite &= isfinite(si);
+        ens = mean ? ens + si : (sc == 0 ? si : fmaxf(ens, si));
+    }
+    if (mean) ens *= 1.f / FM_SCORERS;
+    return ens;
+}
+
+// Grid, threads and shared memory as fm_score_wg with fp8 keys (the compute
+// tile is unused), plus the head weights.
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(ScoreBatch B, u32* err) {
+    extern __shared__ u8 wg_smem_raw[];
+    __shared__ u32 sh_hist[FM_HIST];
+    __shared__ float sh_w[FM_QROWS];
+    __shared__ u32 sh_max[WG_THREADS / 32];
+    const u32 raw_addr = smem_addr(wg_smem_raw);
+    u8* base = wg_smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
+    u8* sh_q = base;
+    const bool mean = B.mean != 0;
+    const u32 group_bytes = WG_STAGES * WG_RAW_BYTES + WG_SUB_BYTES;
+    const ScoreSeq& S = B.seq[blockIdx.y];
+    const u8* keys = (const u8*)S.keys;
+    const u32 n = S.n, stride = S.stride;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u32 g = warp >> 2;
+    const u32 t0 = threadIdx.x & (WG_GROUP_THREADS - 1u);
+    u8* ring = base + WG_Q_BYTES + g * group_bytes;
+
+    const u32 tiles = (n + WG_ROWS - 1) / WG_ROWS;
+    const u32 step = WG_GROUPS * gridDim.x;
+    auto count = [&](u32 h) -> u32 {
+        const u32 f = WG_GROUPS * blockIdx.x + h;
+        return f < tiles ? (tiles - f + step - 1) / step : 0u;
+    };
+    const u32 first = WG_GROUPS * blockIdx.x + g;
+    const u32 my_tiles = count(g);
+    const u32 next = g + 1 < WG_GROUPS ? g + 1 : 0u;
+    const u32 next_turns = g + 1 < WG_GROUPS ? count(next) : (count(0) > 0 ? count(0) - 1 : 0u);
+    for (u32 i = 0; i < WG_STAGES - 1; ++i)
+        wg_issue(keys, stride, n, FM_KEYS_FP8_E4M3, t0, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * WG_RAW_BYTES);
+    wait_prerequisites();
+    // Q: four bf16 (one physical group) per item, held while max |q| is found.
+    constexpr u32 Q_ITEMS = FM_QROWS * FM_HEAD_DIM / 4;
+    constexpr u32 Q_PER = (Q_ITEMS + WG_THREADS - 1) / WG_THREADS;
+    uint2 qv[Q_PER];
+    u32 qmax = 0;  // largest |q| as bf16 bits (monotonic for non-negative values; NaN above Inf)
+#pragma unroll
+    for (u32 j = 0; j < Q_PER; ++j) {
+        const u32 it = threadIdx.x + j * WG_THREADS;
+        qv[j] = it < Q_ITEMS ? *(const uint2*)(S.q + (u64)it * 4) : make_uint2(0, 0);
+        qmax = max(qmax, max(max(qv[j].x & 0x7fffu, (qv[j].x >> 16) & 0x7fffu), max(qv[j].y & 0x7fffu, (qv[j].y >> 16) & 0x7fffu)));
+    }
+    for (u32 i = threadIdx.x; i < FM_HIST; i += WG_THREADS) sh_hist[i] = 0;
+    for (u32 i = threadIdx.x; i < FM_QROWS; i += WG_THREADS) sh_w[i] = S.w[i];
+    qmax = __reduce_max_sync(KVS_FULL_MASK, qmax);
+    if (lane == 0) sh_max[warp] = qmax;
+    __syncthreads();
+    qmax = 0;
+#pragma unroll
+    for (u32 w = 0; w < WG_THREADS / 32; ++w) qmax = max(qmax, sh_max[w]);
+    // 2^e with max |q| * 2^e in [2^14, 2^15); none for zero or non-finite q
+    // (a non-finite q makes the scores non-finite: an error either way).
+    const int qexp = (int)((qmax >> 7) & 0xffu);
+    const int e = (qmax == 0 || qexp == 0xff) ? 0 : min(126, max(-126, 141 - max(qexp, 1)));
+    const float qscale = __int_as_float((127 + e) << 23), inv = __int_as_float((127 - e) << 23);
+#pragma unroll
+    for (u32 j = 0; j < Q_PER; ++j) {
+        const u32 it = threadIdx.x + j * WG_THREADS;
+        if (it >= Q_ITEMS) break;
+        const u32 r = it / (FM_HEAD_DIM / 4), p = (it % (FM_HEAD_DIM / 4)) * 4;
+        const u32 k = fp8_logical_k(p);  // p, p + 1 -> k, k + 1; p + 2, p + 3 -> k + 8, k + 9
+        const u32 w[2] = {qv[j].x, qv[j].y};
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            const float lo = bf16_to_f32((u16)(w[h] & 0xffffu)) * qscale, hi = bf16_to_f32((u16)(w[h] >> 16)) * qscale;
+            u32 packed;
+            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+            const u32 kk = k + 8 * h;
+            *(u32*)(sh_q + sw128(FM_QROWS, r, kk / 8) + (kk % 8) * 2) = packed;
+        }
+    }
+    cp_async_wait_all();  // the first tiles
+    fence_async_smem();   // Q (generic stores) -> tensor-core reads
+    __syncthreads();
+    bool bad = false;
+    u32 bad_chunk = 0;
+    const u64 db0 = gmma_desc(smem_addr(sh_q));
+    // This thread's A rows in a tile and its byte segment in them.
+    const u32 ra = (warp & 3u) * 16 + (lane >> 2), rb = ra + 8, tq = lane & 3u;
+    if (g == WG_GROUPS - 1 && count(0) > 0) turn_pass(WG_ORDER_BAR);
+    for (u32 i = 0; i < my_tiles; ++i) {
+        const u32 c0 = (first + i * step) * WG_ROWS;
+        const u8* slot = ring + (i % WG_STAGES) * WG_RAW_BYTES;
+        cp_async_wait_stages();
+        wg_barrier(g);
+        {
+            const u32 ahead = i + WG_STAGES - 1;
+            wg_issue(keys, stride, n, FM_KEYS_FP8_E4M3, t0, (first + ahead * step) * WG_ROWS, ahead < my_tiles, ring + (ahead % WG_STAGES) * WG_RAW_BYTES);
+        }
+        // A fragments of all k steps: row ra / rb, bytes [WG8_SEG * tq, + WG8_SEG).
+        u32 a[FM_KSTEPS][4];
+#pragma unroll
+        for (u32 q = 0; q < WG8_SEG / 16; ++q) {
+            const u32 c = (WG8_SEG / 16) * tq + q;
+            const uint4 va = *(const uint4*)(slot + ra * FM_HEAD_DIM + ((c ^ raw_swz(ra)) << 4));
+            const uint4 vb = *(const uint4*)(slot + rb * FM_HEAD_DIM + ((c ^ raw_swz(rb)) << 4));
+            const u32 wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
+#pragma unroll
+            for (u32 x = 0; x < 4; ++x) {
+                const u32 ks = 4 * q + x;
+                a[ks][0] = e4m3x2_to_f16x2(wa[x]);        // row ra, k 2t, 2t + 1
+                a[ks][1] = e4m3x2_to_f16x2(wb[x]);        // row rb
+                a[ks][2] = e4m3x2_to_f16x2(wa[x] >> 16);  // row ra, k 2t + 8, 2t + 9
+                a[ks][3] = e4m3x2_to_f16x2(wb[x] >> 16);  // row rb
+            }
+        }
+        turn_wait(WG_ORDER_BAR + g);
+        float d[FM_QROWS / 2];
+#pragma unroll
+        for (u32 k = 0; k < FM_QROWS / 2; ++k) d[k] = 0.f;
+        wgmma_fence();
+#pragma unroll
+        for (u32 ks = 0; ks < FM_KSTEPS; ++ks) {
+            const u32 kb = ks >> 2, within = (ks & 3u) * 32u;
+            const u64 db = db0 + ((kb * (FM_QROWS * 128u) + within) >> 4);
+            wgmma_rs_row(d, a[ks], db, ks > 0 ? 1u : 0u);
+        }
+        wgmma_commit();
+        if (i < next_turns) turn_pass(WG_ORDER_BAR + next);
+        wgmma_wait0();
+
+#pragma unroll
+        for (u32 half = 0; half < 2; ++half) {
+            const u32 row = (warp & 3u) * 16 + (lane >> 2) + half * 8;
+            const u32 chunk = c0 + row;
+            const bool in = chunk < n;
+            const float scale = in ? S.scales[chunk] : 1.f;
+            const float c = scale * inv;
+            bool finite;
+            float ens;
+            if (fabsf(c) >= 1.17549435e-38f && fabsf(c) <= 3.40282347e38f) ens = wg8_row_score<1>(d, half, sh_w, lane, c, inv, scale, mean, finite);
+            else ens = wg8_row_score<2>(d, half, sh_w, lane, c, inv, scale, mean, finite);
+            if (!finite && in) {
+                bad = true;
+                bad_chunk = chunk;
+                ens = -3.0e38f;
+            }
+            const u32 k = sort_key(ens);
+            if ((lane & 3u) == 0 && in) {
+                S.skey[chunk] = k;
+                atomicAdd(&sh_hist[k >> (32 - FM_HIST_BITS)], 1u);
+            }
+        }
+    }
+    cp_async_wait_all();
+    if (bad) record_error(err, FM_ERR_SCORE, bad_chunk, blockIdx.y);
+    allow_dependents();
+    __syncthreads();
+    flush_hist(sh_hist, S.hist);
+}
+#endif  // FM_HEAD_DIM 64 or 128
 #endif  // FM_WGMMA
 
 // ------------------------------------------- training-free (Quest-style) scorer

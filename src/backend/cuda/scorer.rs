@@ -233,6 +233,8 @@ pub struct CudaScorer {
     weights: DeviceBuffer,
     project: [Kernel; 3],
     score: Kernel,
+    /// fm_score_wg_fp8 (fp8 keys as f16 register operands), when the shape has it.
+    score_fp8: Option<Kernel>,
     /// fm_select and fm_order.
     select: Selection,
     score_smem: u32,
@@ -345,6 +347,16 @@ impl CudaScorer {
             k.set_max_dynamic_smem(score_smem as i32)?;
             (k, score_smem, 64u32, 32 * score_warps(s, h))
         };
+        // fm_score_wg_fp8 exists for head_dim 64 and 128; its static shared
+        // memory adds the head weights and a reduction scratch
+        // (KVSWAP_FM_KERNEL=wgmma-convert keeps fp8 keys on fm_score_wg).
+        let score_fp8 = if wgmma && (d == 64 || d == 128) && forced != "wgmma-convert" && (wg_smem_total + s * h * 4 + 64) as i32 <= dev.smem_optin {
+            let k = f("fm_score_wg_fp8".into())?;
+            k.set_max_dynamic_smem(wg_smem as i32)?;
+            Some(k)
+        } else {
+            None
+        };
         let select = Selection::new(&module)?;
         let pdl = dev.cc.0 >= 9;
         drop(_g);
@@ -365,6 +377,7 @@ impl CudaScorer {
             weights,
             project,
             score,
+            score_fp8,
             select,
             score_smem,
             score_tile,
@@ -516,7 +529,11 @@ impl CudaScorer {
             let per_seq = tiles.min((resident / b as u32).max(1));
             let mut params = kernel_params![sb, err];
             // SAFETY: parameters match fm_score(ScoreBatch, u32*); keys checked above.
-            unsafe { self.launch.dependent(&self.score, (per_seq, b as u32), self.score_threads, self.score_smem, s, &mut params)? };
+            let kernel = match (&self.score_fp8, group[0].keys.dtype) {
+                (Some(k), KeyDtype::Fp8E4m3) => k,
+                _ => &self.score,
+            };
+            unsafe { self.launch.dependent(kernel, (per_seq, b as u32), self.score_threads, self.score_smem, s, &mut params)? };
             let sel_blocks = (max_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
             self.select.launch(&self.launch, &mut sel, sel_blocks, err, s)?;
         }
