@@ -811,6 +811,55 @@ __device__ void wg_stage_f32(const u8* keys, u32 stride, u32 n, u32 t0, u32 c0, 
     }
 }
 
+// The tiles of warpgroup g of this block: WG_GROUPS * blockIdx.x + g, then
+// every WG_GROUPS * gridDim.x (`step`); counts never grow with g and differ
+// by at most 1. After its turn i, a warpgroup passes the turn on only while
+// i < next_turns, so no barrier is left half-arrived.
+struct WgTiles {
+    u32 step, first, mine, next, next_turns, first_turns;
+};
+__device__ __forceinline__ WgTiles wg_tiles(u32 n, u32 g) {
+    const u32 tiles = (n + WG_ROWS - 1) / WG_ROWS;
+    const u32 step = WG_GROUPS * gridDim.x;
+    auto count = [&](u32 h) -> u32 {
+        const u32 f = WG_GROUPS * blockIdx.x + h;
+        return f < tiles ? (tiles - f + step - 1) / step : 0u;
+    };
+    WgTiles t;
+    t.step = step;
+    t.first = WG_GROUPS * blockIdx.x + g;
+    t.mine = count(g);
+    t.next = g + 1 < WG_GROUPS ? g + 1 : 0u;
+    t.first_turns = count(0);
+    t.next_turns = g + 1 < WG_GROUPS ? count(t.next) : (t.first_turns > 0 ? t.first_turns - 1 : 0u);
+    return t;
+}
+
+// One scorer's term of the ensemble: its sum over the quad holding the row
+// (lanes 4r .. 4r + 3), folded into `ens` (max or mean).
+__device__ __forceinline__ void ensemble_add(float si, u32 sc, bool mean, float& ens, bool& finite) {
+    si += __shfl_xor_sync(KVS_FULL_MASK, si, 1);
+    si += __shfl_xor_sync(KVS_FULL_MASK, si, 2);
+    finite &= isfinite(si);
+    ens = mean ? ens + si : (sc == 0 ? si : fmaxf(ens, si));
+}
+
+// Files a row's score: its sortable key (the lowest score after an error)
+// and its histogram count; one lane of the quad writes.
+__device__ __forceinline__ void wg_file_score(float ens, bool finite, bool in, u32 chunk, u32 lane, const ScoreSeq& S, u32* sh_hist,
+                                              bool& bad, u32& bad_chunk) {
+    if (!finite && in) {
+        bad = true;
+        bad_chunk = chunk;
+        ens = -3.0e38f;
+    }
+    const u32 k = sort_key(ens);
+    if ((lane & 3u) == 0 && in) {  // 8 lanes: a plain shared atomic beats match_any
+        S.skey[chunk] = k;
+        atomicAdd(&sh_hist[k >> (32 - FM_HIST_BITS)], 1u);
+    }
+}
+
 // The ensemble score of one of this thread's two rows (`half`) from its
 // accumulators: per scorer sum_h w[h] * relu(x[h]), x = scale * (q . key)
 // when SCALED; the quad holding the row reduces it. `finite` turns false for
@@ -835,11 +884,7 @@ __device__ __forceinline__ float wg_row_score(const float* d, u32 half, const fl
                 part[j & 3u] = fmaf(wv[j][e], fmaxf(x, 0.f), part[j & 3u]);
             }
         }
-        float si = (part[0] + part[1]) + (part[2] + part[3]);
-        si += __shfl_xor_sync(KVS_FULL_MASK, si, 1);
-        si += __shfl_xor_sync(KVS_FULL_MASK, si, 2);
-        finite &= isfinite(si);
-        ens = mean ? ens + si : (sc == 0 ? si : fmaxf(ens, si));
+        ensemble_add((part[0] + part[1]) + (part[2] + part[3]), sc, mean, ens, finite);
     }
     if (mean) ens *= 1.f / FM_SCORERS;
     return ens;
@@ -873,20 +918,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg(ScoreBat
     u8* ring = base + WG_Q_BYTES + g * group_bytes;
     u8* conv = ring + WG_STAGES * WG_RAW_BYTES;    // fp8 / f32 compute tile
 
-    // Warpgroup h's tiles: WG_GROUPS * blockIdx.x + h, then every
-    // WG_GROUPS * gridDim.x; counts never grow with h and differ by at most 1.
-    const u32 tiles = (n + WG_ROWS - 1) / WG_ROWS;
-    const u32 step = WG_GROUPS * gridDim.x;
-    auto count = [&](u32 h) -> u32 {
-        const u32 f = WG_GROUPS * blockIdx.x + h;
-        return f < tiles ? (tiles - f + step - 1) / step : 0u;
-    };
-    const u32 first = WG_GROUPS * blockIdx.x + g;
-    const u32 my_tiles = count(g);
-    // After its turn i, this warpgroup passes the turn on only when the next
-    // one has a turn left (no barrier is left half-arrived).
-    const u32 next = g + 1 < WG_GROUPS ? g + 1 : 0u;
-    const u32 next_turns = g + 1 < WG_GROUPS ? count(next) : (count(0) > 0 ? count(0) - 1 : 0u);
+    const WgTiles T = wg_tiles(n, g);
+    const u32 step = T.step, first = T.first, my_tiles = T.mine, next = T.next, next_turns = T.next_turns;
     // The first key tiles are loaded before waiting for the projection: keys
     // are inputs of the call (ready before the projection started), q and w
     // are its outputs.
@@ -914,7 +947,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg(ScoreBat
     bool bad = false;
     u32 bad_chunk = 0;
     const u64 db0 = gmma_desc(smem_addr(sh_q));
-    if (g == WG_GROUPS - 1 && count(0) > 0) turn_pass(WG_ORDER_BAR);  // warpgroup 0 goes first
+    if (g == WG_GROUPS - 1 && T.first_turns > 0) turn_pass(WG_ORDER_BAR);  // warpgroup 0 goes first
     for (u32 i = 0; i < my_tiles; ++i) {
         const u32 c0 = (first + i * step) * WG_ROWS;
         u8* slot = ring + (i % WG_STAGES) * slot_bytes;
@@ -968,16 +1001,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg(ScoreBat
             float ens;
             if (dtype == FM_KEYS_FP8_E4M3) ens = wg_row_score<true>(d, half, wv, in ? S.scales[chunk] : 1.f, mean, finite);
             else ens = wg_row_score<false>(d, half, wv, 1.f, mean, finite);
-            if (!finite && in) {
-                bad = true;
-                bad_chunk = chunk;
-                ens = -3.0e38f;
-            }
-            const u32 k = sort_key(ens);
-            if ((lane & 3u) == 0 && in) {  // 8 lanes: a plain shared atomic beats match_any
-                S.skey[chunk] = k;
-                atomicAdd(&sh_hist[k >> (32 - FM_HIST_BITS)], 1u);
-            }
+            wg_file_score(ens, finite, in, chunk, lane, S, sh_hist, bad, bad_chunk);
         }
     }
     cp_async_wait_all();
@@ -1035,11 +1059,7 @@ __device__ __forceinline__ float wg8_row_score(const float* d, u32 half, const f
                 part[j & 3u] = fmaf(e ? w2.y : w2.x, fmaxf(x, 0.f), part[j & 3u]);
             }
         }
-        float si = (part[0] + part[1]) + (part[2] + part[3]);
-        si += __shfl_xor_sync(KVS_FULL_MASK, si, 1);
-        si += __shfl_xor_sync(KVS_FULL_MASK, si, 2);
-        finite &= isfinite(si);
-        ens = mean ? ens + si : (sc == 0 ? si : fmaxf(ens, si));
+        ensemble_add((part[0] + part[1]) + (part[2] + part[3]), sc, mean, ens, finite);
     }
     if (mean) ens *= 1.f / FM_SCORERS;
     return ens;
@@ -1065,16 +1085,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
     const u32 t0 = threadIdx.x & (WG_GROUP_THREADS - 1u);
     u8* ring = base + WG_Q_BYTES + g * group_bytes;
 
-    const u32 tiles = (n + WG_ROWS - 1) / WG_ROWS;
-    const u32 step = WG_GROUPS * gridDim.x;
-    auto count = [&](u32 h) -> u32 {
-        const u32 f = WG_GROUPS * blockIdx.x + h;
-        return f < tiles ? (tiles - f + step - 1) / step : 0u;
-    };
-    const u32 first = WG_GROUPS * blockIdx.x + g;
-    const u32 my_tiles = count(g);
-    const u32 next = g + 1 < WG_GROUPS ? g + 1 : 0u;
-    const u32 next_turns = g + 1 < WG_GROUPS ? count(next) : (count(0) > 0 ? count(0) - 1 : 0u);
+    const WgTiles T = wg_tiles(n, g);
+    const u32 step = T.step, first = T.first, my_tiles = T.mine, next = T.next, next_turns = T.next_turns;
     for (u32 i = 0; i < WG_STAGES - 1; ++i)
         wg_issue(keys, stride, n, FM_KEYS_FP8_E4M3, t0, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * WG_RAW_BYTES);
     wait_prerequisites();
@@ -1126,7 +1138,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
     const u64 db0 = gmma_desc(smem_addr(sh_q));
     // This thread's A rows in a tile and its byte segment in them.
     const u32 ra = (warp & 3u) * 16 + (lane >> 2), rb = ra + 8, tq = lane & 3u;
-    if (g == WG_GROUPS - 1 && count(0) > 0) turn_pass(WG_ORDER_BAR);
+    if (g == WG_GROUPS - 1 && T.first_turns > 0) turn_pass(WG_ORDER_BAR);
     for (u32 i = 0; i < my_tiles; ++i) {
         const u32 c0 = (first + i * step) * WG_ROWS;
         const u8* slot = ring + (i % WG_STAGES) * WG_RAW_BYTES;
@@ -1179,16 +1191,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
             float ens;
             if (fabsf(c) >= 1.17549435e-38f && fabsf(c) <= 3.40282347e38f) ens = wg8_row_score<1>(d, half, sh_w, lane, c, inv, scale, mean, finite);
             else ens = wg8_row_score<2>(d, half, sh_w, lane, c, inv, scale, mean, finite);
-            if (!finite && in) {
-                bad = true;
-                bad_chunk = chunk;
-                ens = -3.0e38f;
-            }
-            const u32 k = sort_key(ens);
-            if ((lane & 3u) == 0 && in) {
-                S.skey[chunk] = k;
-                atomicAdd(&sh_hist[k >> (32 - FM_HIST_BITS)], 1u);
-            }
+            wg_file_score(ens, finite, in, chunk, lane, S, sh_hist, bad, bad_chunk);
         }
     }
     cp_async_wait_all();
