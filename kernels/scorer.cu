@@ -1414,18 +1414,11 @@ __device__ __forceinline__ void push_key(u64* list, u32* count, u64 k, bool p) {
     if (p) list[base + __popc(b & ((1u << lane) - 1u))] = k;
 }
 
-// Narrows keys[0..m) (shared or global memory; all equal above bit `shift`)
-// to their top `want` by key64: 8-bit radix passes append the certain keys
-// to fin (at *nfin) until the boundary group holds at most FM_GROUP_MAX keys,
-// which are then ranked by counting. One block; every thread must call it.
-// GLOBAL: keys written by other blocks of this launch, read through L2.
-template <bool GLOBAL>
-__device__ __forceinline__ u64 load_key(const u64* keys, u32 i) {
-    if constexpr (GLOBAL) return __ldcg(keys + i);
-    else return keys[i];
-}
-
-template <bool GLOBAL>
+// Narrows keys[0..m) (global memory, written by the previous launch, read
+// through L2; all equal above bit `shift`) to their top `want` by key64:
+// 8-bit radix passes append the certain keys to fin (at *nfin) until the
+// boundary group holds at most FM_GROUP_MAX keys, which are then ranked by
+// counting. One block; every thread must call it.
 __device__ __forceinline__ void narrow_topk(const u64* keys, u32 m, u32 want, int shift, u64* fin, u32* nfin) {
     __shared__ u32 s_hist[256];
     __shared__ u32 s_digit, s_above, s_cnt;
@@ -1437,7 +1430,7 @@ __device__ __forceinline__ void narrow_topk(const u64* keys, u32 m, u32 want, in
         for (u32 i = threadIdx.x; i < 256; i += blockDim.x) s_hist[i] = 0;
         __syncthreads();
         for (u32 i = threadIdx.x; i < m; i += blockDim.x) {
-            const u64 k = load_key<GLOBAL>(keys, i);
+            const u64 k = __ldcg(keys + i);
             count_in_bin(s_hist, (u32)(k >> shift) & 0xffu, (k & mask) == prefix);
         }
         __syncthreads();
@@ -1445,7 +1438,7 @@ __device__ __forceinline__ void narrow_topk(const u64* keys, u32 m, u32 want, in
         __syncthreads();
         const u32 digit = s_digit;
         for (u32 i = threadIdx.x; i < m; i += blockDim.x) {
-            const u64 k = load_key<GLOBAL>(keys, i);
+            const u64 k = __ldcg(keys + i);
             push_key(fin, nfin, k, (k & mask) == prefix && ((k >> shift) & 0xffu) > digit);
         }
         want -= s_above;
@@ -1459,7 +1452,7 @@ __device__ __forceinline__ void narrow_topk(const u64* keys, u32 m, u32 want, in
     if (threadIdx.x == 0) s_cnt = 0;
     __syncthreads();
     for (u32 i = threadIdx.x; i < m; i += blockDim.x) {
-        const u64 k = load_key<GLOBAL>(keys, i);
+        const u64 k = __ldcg(keys + i);
         push_key(s_group, &s_cnt, k, (k & mask) == prefix);
     }
     __syncthreads();
@@ -1527,8 +1520,6 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
 #define FM_ORDER_CANDS 64
 #define FM_ORDER_SLICES 8
 #define FM_ORDER_THREADS (FM_ORDER_CANDS * FM_ORDER_SLICES)
-#define FM_ORDER_PRE 2  // keys of each list prefetched per thread
-static_assert(FM_ORDER_PRE * FM_ORDER_THREADS <= FM_RANK_MAX, "prefetch inside the sure list");
 static_assert(FM_ORDER_MAX % FM_ORDER_CANDS == 0 && FM_ORDER_MAX >= FM_RANK_MAX, "whole blocks of candidates");
 
 // More than FM_ORDER_MAX candidates: one block narrows the ties to the
@@ -1540,7 +1531,7 @@ __device__ void order_narrowed(const SelectSeq& S, u32 ns, u32 nt, u32 want, u64
     if (threadIdx.x == 0) s_nfin = ns;
     __syncthreads();
     // Ties share the top FM_HIST_BITS bits of the 64-bit key.
-    narrow_topk<true>(S.tie, nt, want - ns, 64 - FM_HIST_BITS, fin, &s_nfin);
+    narrow_topk(S.tie, nt, want - ns, 64 - FM_HIST_BITS, fin, &s_nfin);
     for (u32 i = threadIdx.x; i < want; i += blockDim.x)
         S.out[count_greater(fin, want, fin[i])] = (i32)(0xFFFFFFFFu - (u32)fin[i]);
 }
@@ -1551,15 +1542,6 @@ extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBa
     wait_prerequisites();  // fm_select has filed and published the candidates
     const SelectSeq& S = B.seq[blockIdx.y];
     const u32 want = min(B.k, S.n);
-    // The first keys of both lists, in flight with the counts (one L2 round
-    // trip instead of two for the usual few hundred candidates per list).
-    u64 pre_sure[FM_ORDER_PRE], pre_tie[FM_ORDER_PRE];
-#pragma unroll
-    for (u32 j = 0; j < FM_ORDER_PRE; ++j) {
-        const u32 i = threadIdx.x + j * FM_ORDER_THREADS;
-        pre_sure[j] = __ldcg(S.sure + i);                    // i < FM_RANK_MAX: inside the list
-        pre_tie[j] = i < S.n ? __ldcg(S.tie + i) : 0ull;     // the tie list holds n keys
-    }
     const u64 filed = __ldcg(&S.st->filed);
     if (blockIdx.x == 0) {
         // fm_select is done with the histogram and the append counters, and
@@ -1579,17 +1561,8 @@ extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBa
     // The groups this block's candidates belong to: keys [lo, hi).
     const u32 c1 = min(c0 + FM_ORDER_CANDS, m);
     const u32 lo = c0 < ns ? 0u : ns, hi = c1 > ns ? m : ns;
-    if (lo == 0 && hi == m && ns != 0 && nt != 0) {  // candidates of both groups
-        for (u32 i = threadIdx.x; i < m; i += FM_ORDER_THREADS) keys[i] = i < ns ? __ldcg(S.sure + i) : __ldcg(S.tie + (i - ns));
-    } else {  // one list: keys[i] = list[i], the first ones prefetched
-        const u64* list = lo == 0 && ns != 0 ? S.sure : S.tie;
-        const u32 len = hi - lo;
-#pragma unroll
-        for (u32 j = 0; j < FM_ORDER_MAX / FM_ORDER_THREADS; ++j) {
-            const u32 i = threadIdx.x + j * FM_ORDER_THREADS;
-            if (i < len) keys[i] = j < FM_ORDER_PRE ? (list == S.sure ? pre_sure[j] : pre_tie[j]) : __ldcg(list + i);
-        }
-    }
+    for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x)
+        keys[i - lo] = i < ns ? __ldcg(S.sure + i) : __ldcg(S.tie + (i - ns));
     __syncthreads();
     const u32 slot = threadIdx.x % FM_ORDER_CANDS, slice = threadIdx.x / FM_ORDER_CANDS;
     const u32 c = c0 + slot;
