@@ -2,9 +2,9 @@
 //! over all scorers, weights read once per batch of up to 64 sequences),
 //! tensor-core scoring with the ensemble fused in, and an exact top-k (filed
 //! by fm_select, ranked by fm_order). Four launches per call, chained by
-//! programmatic dependent launch on Hopper; no
-//! host synchronisation unless `sync` is set, so a decode step can be
-//! captured in a CUDA graph (scorer -> swap-in -> attention).
+//! programmatic dependent launch on Hopper; no host synchronisation unless
+//! `sync` is set, so a decode step can be captured in a CUDA graph (scorer ->
+//! swap-in -> attention).
 //!
 //! Errors found on the device (non-finite hidden values, non-finite scores)
 //! turn the output into -1 padding and are recorded; with `sync` the call
@@ -535,7 +535,7 @@ impl CudaScorer {
             };
             unsafe { self.launch.dependent(kernel, (per_seq, b as u32), self.score_threads, self.score_smem, s, &mut params)? };
             let sel_blocks = (max_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
-            self.select.launch(&self.launch, &mut sel, sel_blocks, err, s)?;
+            self.select.launch(&self.launch, sel, sel_blocks, err, s)?;
         }
         if self.sync {
             driver::stream_sync(s)?;
@@ -605,14 +605,14 @@ impl Selection {
         Ok(Selection { select: module.function(c"fm_select")?, order: module.function(c"fm_order")? })
     }
 
-    fn launch(&self, launch: &Launch, sel: &mut SelectBatch, blocks: u32, err: u64, s: CUstream) -> Result<()> {
-        let mut err = err;
-        let mut params = [sel as *mut SelectBatch as *mut c_void, &mut err as *mut u64 as *mut c_void];
+    fn launch(&self, launch: &Launch, mut sel: SelectBatch, blocks: u32, mut err: u64, s: CUstream) -> Result<()> {
+        let n_seqs = sel.n_seqs;
+        let mut params = kernel_params![sel, err];
         // SAFETY: parameters match fm_select(SelectBatch, const u32*) and
         // fm_order(SelectBatch, const u32*); buffers sized by the workspace.
         unsafe {
-            launch.dependent(&self.select, (blocks, sel.n_seqs), SEL_THREADS, 0, s, &mut params)?;
-            launch.dependent(&self.order, (ORDER_MAX / ORDER_CANDS, sel.n_seqs), ORDER_THREADS, 0, s, &mut params)
+            launch.dependent(&self.select, (blocks, n_seqs), SEL_THREADS, 0, s, &mut params)?;
+            launch.dependent(&self.order, (ORDER_MAX / ORDER_CANDS, n_seqs), ORDER_THREADS, 0, s, &mut params)
         }
     }
 }
@@ -748,7 +748,7 @@ impl BoundsBackend for CudaBoundsHandle {
             pad: 0,
         };
         let blocks = (b.n_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
-        me.select.launch(&me.launch, &mut sel, blocks, err, s)?;
+        me.select.launch(&me.launch, sel, blocks, err, s)?;
         if me.sync {
             driver::stream_sync(s)?;
             ws.take_error(s)?;
