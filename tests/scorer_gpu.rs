@@ -250,6 +250,27 @@ fn cuda_scorer_adversarial_inputs() {
     let got = gpu_topk(&d, &scorer, &hidden, &keys, 512).unwrap();
     let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
     check_topk(&got, &scores, &tol, 512, "k > n");
+    // fp8 scales of any sign and size: 64-chunk tiles alternate between
+    // positive scales (3e-39 .. 2e30: the kernel's positive-scale path, both
+    // of its rescaling branches) and mixed ones (negative, zero: the
+    // per-element path), so both paths meet in one ranking.
+    let mut keys = HostKeys::random(&mut rng, KeyDtype::Fp8E4m3, 6000, dim as usize, 1.0);
+    for c in 0..keys.n {
+        let mag = [3e-39f32, 1e-30, 0.01, 0.5, 1.0, 7.0, 1e30][rng.below(7) as usize] * (1.0 + rng.below(100) as f32 / 100.0);
+        keys.scales[c] = if (c / 64) % 2 == 0 {
+            mag
+        } else {
+            [mag, -mag, 0.0][rng.below(3) as usize]
+        };
+    }
+    let got = gpu_topk(&d, &scorer, &hidden, &keys, 512).unwrap();
+    let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
+    check_topk(&got, &scores, &tol, 512, "fp8 scales of any sign and size");
+    scorer.set_ensemble(Ensemble::Mean);
+    let got = gpu_topk(&d, &scorer, &hidden, &keys, 512).unwrap();
+    let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Mean, &hidden, &keys);
+    check_topk(&got, &scores, &tol, 512, "fp8 scales of any sign and size, mean");
+    scorer.set_ensemble(Ensemble::Max);
     let keys = HostKeys::random(&mut rng, KeyDtype::Bf16, 1, dim as usize, 1.0);
     let got = gpu_topk(&d, &scorer, &hidden, &keys, 4).unwrap();
     assert_eq!(got, vec![0, -1, -1, -1]);
