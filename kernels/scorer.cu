@@ -835,20 +835,19 @@ __device__ __forceinline__ WgTiles wg_tiles(u32 n, u32 g) {
     return t;
 }
 
-// One scorer's term of the ensemble: its sum over the quad holding the row
-// (lanes 4r .. 4r + 3), folded into `ens` (max or mean).
+// A row's sum over the quad holding it (lanes 4r .. 4r + 3).
 __device__ __forceinline__ float quad_sum(float si) {
     si += __shfl_xor_sync(KVS_FULL_MASK, si, 1);
     return si + __shfl_xor_sync(KVS_FULL_MASK, si, 2);
 }
+// Scorer sc's score folded into the ensemble `ens` (max or mean).
 __device__ __forceinline__ void ensemble_fold(float si, u32 sc, bool mean, float& ens, bool& finite) {
     finite &= isfinite(si);
     ens = mean ? ens + si : (sc == 0 ? si : fmaxf(ens, si));
 }
+// One scorer's term of the ensemble: its quad sum, folded into `ens`.
 __device__ __forceinline__ void ensemble_add(float si, u32 sc, bool mean, float& ens, bool& finite) {
-    si = quad_sum(si);
-    finite &= isfinite(si);
-    ens = mean ? ens + si : (sc == 0 ? si : fmaxf(ens, si));
+    ensemble_fold(quad_sum(si), sc, mean, ens, finite);
 }
 
 // Files a row's score: its sortable key (the lowest score after an error)
