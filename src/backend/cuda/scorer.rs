@@ -1,4 +1,4 @@
-//! The FlashMemory scorer on CUDA (kernels/scorer.cu): projections (one GEMV
+//! The FlashMemory scorer on CUDA (kernels/scorer/): projections (one GEMV
 //! over all scorers, weights read once per batch of up to 64 sequences),
 //! tensor-core scoring with the ensemble fused in, and an exact top-k (filed
 //! by fm_select, ranked by fm_order). Four launches per call, chained by
@@ -20,11 +20,11 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
-/// Sequences per launch (`FM_MAX_BATCH` in kernels/scorer.cu).
+/// Sequences per launch (`FM_MAX_BATCH` in kernels/scorer/project.cu).
 pub const MAX_BATCH: usize = 64;
 const HIST: usize = 4096;
 /// fm_score_wg: warpgroups per block and tiles in flight per warpgroup
-/// (WG_GROUPS, WG_STAGES in kernels/scorer.cu).
+/// (WG_GROUPS, WG_STAGES in kernels/scorer/score_wgmma.cu).
 const WG_GROUPS: usize = 3;
 const WG_STAGES: usize = 3;
 /// Words of a sequence's global histogram: HIST fine + 64 coarse bins (FM_HIST_WORDS).
@@ -39,7 +39,7 @@ const SEL_ITEMS: u32 = 4;
 const ORDER_MAX: u32 = 4096;
 const ORDER_CANDS: u32 = 64;
 const ORDER_THREADS: u32 = 512;
-// The selection state packs a sequence's tie count in 24 bits (FM_MAX_CHUNKS in scorer.cu).
+// The selection state packs a sequence's tie count in 24 bits (FM_MAX_CHUNKS in kernels/scorer/topk.cu).
 const _: () = assert!(crate::scorer::FM_MAX_CHUNKS < 1 << 24);
 /// Dynamic shared memory of fm_project_*_b{1,8,64}: MAXB x KT x 4 bytes.
 const PROJECT_SMEM: [u32; 3] = [4096 * 4, 8 * 1024 * 4, 64 * 256 * 4];
@@ -592,7 +592,7 @@ impl CudaScorer {
     }
 }
 
-/// The global top-k (kernels/scorer.cu): fm_select files the candidates,
+/// The global top-k (kernels/scorer/topk.cu): fm_select files the candidates,
 /// fm_order ranks them and writes the result; each a programmatic dependent
 /// of the kernel before it.
 struct Selection {

@@ -1,0 +1,151 @@
+// FlashMemory scorer kernels: projections, chunk scoring on the tensor cores,
+// ensemble, and an exact global top-k (score descending, ties to the lower id).
+//
+// Compiled by NVRTC per scorer shape: FM_SCORERS, FM_HEADS and FM_HEAD_DIM are
+// given with -D, so every loop bound is a compile-time constant. The source is
+// kernels/common.cuh, then this directory's files in dependency order (as
+// src/kernels.rs concatenates them):
+//
+//   helpers.cuh         shape and dtype constants, conversions, histogram helpers
+//   project.cu          fm_project_*
+//   score_mma.cu        fm_score (mma.sync, any sm_80+), the ScoreBatch layout
+//   score_wgmma.cu      fm_score_wg (Hopper wgmma; bf16 and f32 keys, fp8 by
+//                       conversion), the wgmma and pipeline helpers
+//   score_wgmma_fp8.cu  fm_score_wg_fp8 (Hopper wgmma, fp8 keys as f16 registers)
+//   bounds.cu           fm_bounds_score
+//   topk.cu             fm_select, fm_order
+//
+//   fm_project_*   q = Wq h, w = Ww h for every scorer (and every sequence of a
+//                  batch), weights read once; q is written in bf16 for the MMA.
+//   fm_score_*     per chunk: s_i = sum_h w[i,h] * relu(scale * (q[i,h] . key)),
+//                  ensemble (max or mean) -> a sortable 32-bit key per chunk,
+//                  and a histogram of the keys' top FM_HIST_BITS bits.
+//   fm_bounds_score  the training-free (Quest-style) scorer, same outputs.
+//   fm_select      one pass over the keys: candidates above (certain) and in
+//                  (ties) the threshold bin of the 12-bit histogram, appended
+//                  to two lists; block 0 publishes how many of each.
+//   fm_order       ranks the candidates by counting over many blocks and
+//                  writes each winner's id at its rank in descending 64-bit
+//                  key order (score key << 32 | ~id), -1 padded; leaves the
+//                  histogram and counters zeroed for the next call (no memset
+//                  on replay).
+
+
+#ifndef FM_SCORERS
+#define FM_SCORERS 3
+#endif
+#ifndef FM_HEADS
+#define FM_HEADS 64
+#endif
+#ifndef FM_HEAD_DIM
+#define FM_HEAD_DIM 128
+#endif
+
+#define FM_QROWS (FM_SCORERS * FM_HEADS)
+#define FM_HIST_BITS 12
+#define FM_HIST (1u << FM_HIST_BITS)
+
+// Key dtypes (FM_KEYS_* in the C header).
+#define FM_KEYS_F32 0u
+#define FM_KEYS_BF16 1u
+#define FM_KEYS_FP8_E4M3 2u
+
+// Error codes recorded on the device (first error wins).
+#define FM_ERR_HIDDEN 1u    // non-finite hidden state: info = scorer, position
+#define FM_ERR_SCORE 2u     // non-finite score (non-finite key, or overflow): info = chunk
+#define FM_ERR_BOUNDS 3u    // bounds of a chunk with min > max or non-finite: info = chunk
+
+// ------------------------------------------------------------------ helpers
+
+__device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
+
+// Round to nearest even; NaN stays NaN.
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x40u);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (u16)(x >> 16);
+}
+
+// fp8 e4m3 (OCP): bias 7, no infinities, S.1111.111 is NaN. Exact in bf16.
+__device__ __forceinline__ u16 fp8_to_bf16(u8 v) {
+    const u32 s = (v >> 7) & 1u, e = (v >> 3) & 0xfu, m = v & 7u;
+    if (e == 0xfu && m == 7u) return (u16)((s << 15) | 0x7fc0u);  // NaN
+    if (e == 0) {
+        if (m == 0) return (u16)(s << 15);
+        // subnormal: m * 2^-9 = 1.f * 2^(p - 9) with p the top set bit of m
+        u32 p = 31 - __clz(m);
+        u32 frac = (m << (3 - p)) & 7u;  // bits below the leading one, as 3 bits
+        u32 be = p - 9 + 127;
+        return (u16)((s << 15) | (be << 7) | (frac << 4));
+    }
+    return (u16)((s << 15) | ((e - 7 + 127) << 7) | (m << 4));
+}
+
+// Two fp8 e4m3 (low byte first) -> two bf16 (low half first), exactly: e4m3
+// values are representable in f16 and in bf16. Hardware conversion on Ada and
+// Hopper; the bit-level decode elsewhere.
+__device__ __forceinline__ u32 fp8x2_to_bf16x2(u32 two) {
+#if __CUDA_ARCH__ >= 890
+    u32 h2;
+    const unsigned short in = (unsigned short)two;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
+    float lo, hi;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h2 & 0xffffu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h2 >> 16)));
+    u32 out;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+    return out;
+#else
+    return (u32)fp8_to_bf16(two & 0xff) | ((u32)fp8_to_bf16((two >> 8) & 0xff) << 16);
+#endif
+}
+
+// Eight f32 at p (16-byte aligned) rounded to eight bf16 (16 bytes).
+__device__ __forceinline__ uint4 f32x8_to_bf16x8(const float* p) {
+    const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
+    return make_uint4((u32)f32_to_bf16(a.x) | ((u32)f32_to_bf16(a.y) << 16),
+                      (u32)f32_to_bf16(a.z) | ((u32)f32_to_bf16(a.w) << 16),
+                      (u32)f32_to_bf16(b.x) | ((u32)f32_to_bf16(b.y) << 16),
+                      (u32)f32_to_bf16(b.z) | ((u32)f32_to_bf16(b.w) << 16));
+}
+
+// Monotone map of a float to u32: a < b  <=>  key(a) < key(b) (NaN excluded).
+__device__ __forceinline__ u32 sort_key(float f) {
+    const u32 x = __float_as_uint(f);
+    return (x & 0x80000000u) ? ~x : (x | 0x80000000u);
+}
+
+// hist[bin] += 1 for every lane with `valid`, one shared-memory atomic per
+// distinct bin in the warp: scores often share a few bins, and same-address
+// atomics serialise. Every lane of the warp must call it.
+__device__ __forceinline__ void hist_add(u32* hist, u32 bin, bool valid) {
+    const u32 key = valid ? bin : 0xFFFFFFFFu;
+    const u32 peers = __match_any_sync(KVS_FULL_MASK, key);
+    if (valid && (threadIdx.x & 31u) == (u32)(__ffs(peers) - 1)) atomicAdd(&hist[bin], (u32)__popc(peers));
+}
+
+// The global histogram of a sequence: FM_HIST fine bins (top FM_HIST_BITS
+// bits of the score key), then FM_COARSE coarse bins (the top
+// FM_COARSE_BITS bits) so the selection finds its threshold reading 128
+// words instead of 4096.
+#define FM_COARSE_BITS 6
+#define FM_COARSE (1u << FM_COARSE_BITS)
+#define FM_HIST_WORDS (FM_HIST + FM_COARSE)
+#define FM_FINE_PER_COARSE (FM_HIST / FM_COARSE)
+static_assert(FM_COARSE == 64 && FM_FINE_PER_COARSE == 64, "threshold_bin reads 64 + 64 bins");
+
+// Adds a block's shared histogram into the global one (fine and coarse
+// bins). Call after a barrier; every thread of the block.
+__device__ __forceinline__ void flush_hist(const u32* sh_hist, u32* hist) {
+    for (u32 i = threadIdx.x; i < FM_HIST; i += blockDim.x)
+        if (sh_hist[i]) atomicAdd(&hist[i], sh_hist[i]);
+    const u32 lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
+    for (u32 c = threadIdx.x >> 5; c < FM_COARSE; c += warps) {
+        u32 v = 0;
+        for (u32 b = lane; b < FM_FINE_PER_COARSE; b += 32) v += sh_hist[c * FM_FINE_PER_COARSE + b];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(KVS_FULL_MASK, v, off);
+        if (lane == 0 && v) atomicAdd(&hist[FM_HIST + c], v);
+    }
+}

@@ -1,0 +1,158 @@
+// Part of the FlashMemory scorer's CUDA source: the files of kernels/scorer/
+// are concatenated in the order of src/kernels.rs (after kernels/common.cuh)
+// and compiled by NVRTC as one unit.
+
+// ------------------------------------------------------------ projections
+
+// One sequence's inputs and outputs of the projection.
+struct ProjSeq {
+    const float* hidden;  // [FM_SCORERS][hidden]
+    u16* q;               // [FM_QROWS][FM_HEAD_DIM] bf16
+    float* w;             // [FM_QROWS]
+};
+
+#define FM_MAX_BATCH 64
+#define FM_PROJ_ROWS 16    // weight rows per block (one per warp)
+
+struct ProjBatch {
+    u32 n;
+    ProjSeq seq[FM_MAX_BATCH];
+};
+
+template <typename T> __device__ __forceinline__ void load8(const T* p, float* out);
+template <> __device__ __forceinline__ void load8<float>(const float* p, float* out) {
+    const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+template <> __device__ __forceinline__ void load8<u16>(const u16* p, float* out) {  // bf16
+    const uint4 v = *(const uint4*)p;
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = __uint_as_float(w[i] << 16);
+        out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+struct F16 { u16 v; };
+template <> __device__ __forceinline__ void load8<F16>(const F16* p, float* out) {
+    const uint4 v = *(const uint4*)p;
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        unsigned short lo = (unsigned short)(w[i] & 0xffff), hi = (unsigned short)(w[i] >> 16);
+        float a, b;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(a) : "h"(lo));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(b) : "h"(hi));
+        out[2 * i] = a;
+        out[2 * i + 1] = b;
+    }
+}
+
+// w[0..8) . (x0, x1), in a fixed order (batch and single calls agree bit for bit).
+__device__ __forceinline__ float dot8(const float* w, float4 x0, float4 x1) {
+    float s = w[0] * x0.x;
+    s = fmaf(w[1], x0.y, s);
+    s = fmaf(w[2], x0.z, s);
+    s = fmaf(w[3], x0.w, s);
+    s = fmaf(w[4], x1.x, s);
+    s = fmaf(w[5], x1.y, s);
+    s = fmaf(w[6], x1.z, s);
+    return fmaf(w[7], x1.w, s);
+}
+
+// out[b][row] = W[row] . hidden_b for every row of every scorer and every
+// sequence b of the batch (up to MAXB): each warp owns one weight row and reads
+// it once for all sequences; the sequences' hidden slices are staged in
+// (dynamic) shared memory KT elements at a time. Lane l always sums elements
+// l*8 + 256 j in increasing j, whatever MAXB and KT (a multiple of 256), so a
+// batch computes bit-identical projections to single calls. Rows
+// [0, FM_HEADS*FM_HEAD_DIM) of scorer i are Wq (output q, bf16), the next
+// FM_HEADS rows are Ww (output w, f32). weights: [FM_SCORERS][rows][hidden];
+// hidden % 8 == 0 (checked on the host).
+template <typename T, u32 MAXB, u32 KT>
+__device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBatch& B, u32* err) {
+    extern __shared__ float sh_h[];  // [MAXB][KT]
+    constexpr u32 QR = FM_HEADS * FM_HEAD_DIM, ROWS = QR + FM_HEADS;
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
+    const u32 scorer = blockIdx.y;
+    const u32 row = blockIdx.x * FM_PROJ_ROWS + warp;
+    const bool active = row < ROWS;
+    const T* wrow = weights + ((u64)scorer * ROWS + (active ? row : 0)) * hidden;
+    // The scoring kernel (a programmatic dependent) launches once every block
+    // of this grid has started, i.e. during its last wave, and prefetches its
+    // first key tiles; it waits for this grid to complete before reading q, w.
+    allow_dependents();
+    float acc[MAXB];
+#pragma unroll
+    for (u32 b = 0; b < MAXB; ++b) acc[b] = 0.f;
+    if constexpr (MAXB == 1) {
+        // One sequence: the hidden slice (<= 16 KB) stays in L1; no staging,
+        // no barrier, every warp streams its row at once.
+        const float* h0 = B.seq[0].hidden + (u64)scorer * hidden;
+        if (blockIdx.x == 0 && warp == 0) {
+            for (u32 k = lane; k < hidden; k += 32)
+                if (!isfinite(h0[k])) record_error(err, FM_ERR_HIDDEN, scorer, k);
+        }
+        if (active) {
+#pragma unroll 4
+            for (u32 k = lane * 8; k < hidden; k += 256) {
+                float wv[8];
+                load8<T>(wrow + k, wv);
+                acc[0] += dot8(wv, __ldg((const float4*)(h0 + k)), __ldg((const float4*)(h0 + k + 4)));
+            }
+        }
+    } else
+    for (u32 k0 = 0; k0 < hidden; k0 += KT) {
+        const u32 kt = min(KT, hidden - k0);
+        __syncthreads();
+        for (u32 t = threadIdx.x; t < B.n * kt; t += blockDim.x) {
+            const u32 b = t / kt, k = t % kt;
+            const float v = B.seq[b].hidden[(u64)scorer * hidden + k0 + k];
+            if (!isfinite(v) && blockIdx.x == 0) record_error(err, FM_ERR_HIDDEN, scorer, k0 + k);
+            sh_h[b * KT + k] = v;
+        }
+        __syncthreads();
+        if (!active) continue;
+#pragma unroll 4
+        for (u32 k = lane * 8; k < kt; k += 256) {
+            float wv[8];
+            load8<T>(wrow + k0 + k, wv);
+#pragma unroll
+            for (u32 b = 0; b < MAXB; ++b) {
+                if (b < B.n) {
+                    const float* h = sh_h + b * KT + k;
+                    acc[b] += dot8(wv, *(const float4*)h, *(const float4*)(h + 4));
+                }
+            }
+        }
+    }
+    if (!active) return;
+#pragma unroll
+    for (u32 b = 0; b < MAXB; ++b) {
+        if (b >= B.n) break;
+        float s = acc[b];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(KVS_FULL_MASK, s, off);
+        if (lane == 0) {
+            if (row < QR) B.seq[b].q[(u64)scorer * QR + row] = f32_to_bf16(s);
+            else B.seq[b].w[scorer * FM_HEADS + (row - QR)] = s;
+        }
+    }
+}
+
+// Instantiations: weight dtype x batch width (1: hidden read through L1, no
+// shared memory; 8 and 64: staged passes of 1024 and 256 elements).
+#define FM_PROJECT(NAME, T, MAXB, KT)                                                            \
+    extern "C" __global__ void __launch_bounds__(FM_PROJ_ROWS * 32)                               \
+    NAME(const T* W, u32 hidden, ProjBatch B, u32* err) { project<T, MAXB, KT>(W, hidden, B, err); }
+// Shared memory: MAXB * KT * 4 bytes for b8 and b64 (32 and 64 KiB), none for b1.
+FM_PROJECT(fm_project_f32_b1, float, 1, 256)
+FM_PROJECT(fm_project_f32_b8, float, 8, 1024)
+FM_PROJECT(fm_project_f32_b64, float, 64, 256)
+FM_PROJECT(fm_project_bf16_b1, u16, 1, 256)
+FM_PROJECT(fm_project_bf16_b8, u16, 8, 1024)
+FM_PROJECT(fm_project_bf16_b64, u16, 64, 256)
+FM_PROJECT(fm_project_f16_b1, F16, 1, 256)
+FM_PROJECT(fm_project_f16_b8, F16, 8, 1024)
+FM_PROJECT(fm_project_f16_b64, F16, 64, 256)

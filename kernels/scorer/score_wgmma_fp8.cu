@@ -1,0 +1,249 @@
+// Part of the FlashMemory scorer's CUDA source: the files of kernels/scorer/
+// are concatenated in the order of src/kernels.rs (after kernels/common.cuh)
+// and compiled by NVRTC as one unit.
+
+// ------------------------------- scoring fp8 keys with wgmma (Hopper, sm_90a)
+
+#if defined(FM_WGMMA) && (FM_HEAD_DIM == 64 || FM_HEAD_DIM == 128)
+// fm_score_wg_fp8: fp8 keys go from the raw tile straight into the A
+// registers of an f16 wgmma (one cvt per pair), with Q converted once per
+// block to f16, scaled by 2^e so that max |q| lands in [2^14, 2^15) (exact:
+// bf16 values fit f16's significand; only elements below 2^-24 of the max
+// lose bits). The dot products come out scaled by 2^e; the epilogue
+// multiplies by scale * 2^-e, which is exact whenever that product is a
+// normal float, and by 2^-e and scale in turn otherwise.
+//
+// The reduction over k is order-free, so k is permuted to suit the register
+// layout of A (rows g and g + 8 of each warp's 16, columns 2t, 2t + 1, 2t + 8,
+// 2t + 9 of each 16-wide k step, t = lane % 4): logical column 16s + 2t + j
+// (j = 0, 1) and 16s + 2t + 8 + j hold physical dims D/4 * t + 4s + j and
+// D/4 * t + 4s + 2 + j. Each thread then reads D/4 contiguous bytes per row,
+// and Q is stored with the same permutation.
+#define WG8_SEG (FM_HEAD_DIM / 4)  // bytes of a row per thread
+__device__ __forceinline__ u32 fp8_logical_k(u32 p) {
+    const u32 t = p / WG8_SEG, rem = p % WG8_SEG, st = rem / 4, j = rem % 4;
+    return 16 * st + 2 * t + (j < 2 ? j : 6 + j);
+}
+
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
+    u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)two));
+    return h2;
+}
+
+// x = d * c (MODE 1) or (d * inv) * scale (MODE 2), then the ensemble as
+// wg_row_score; wv from shared memory.
+template <int MODE>
+__device__ __forceinline__ float wg8_row_score(const float* d, u32 half, const float* sh_w, u32 lane, float c, float inv, float scale,
+                                               bool mean, bool& finite) {
+    finite = isfinite(d[2 * half]) && isfinite(scale);
+    float ens = 0.f;
+#pragma unroll
+    for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
+        float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (u32 j = sc * (FM_HEADS / 8); j < (sc + 1) * (FM_HEADS / 8); ++j) {
+            const float2 w2 = *(const float2*)(sh_w + j * 8 + 2 * (lane & 3u));
+#pragma unroll
+            for (u32 e = 0; e < 2; ++e) {
+                const float a = d[4 * j + 2 * half + e];
+                const float x = MODE == 1 ? a * c : (a * inv) * scale;
+                part[j & 3u] = fmaf(e ? w2.y : w2.x, fmaxf(x, 0.f), part[j & 3u]);
+            }
+        }
+        ensemble_add((part[0] + part[1]) + (part[2] + part[3]), sc, mean, ens, finite);
+    }
+    if (mean) ens *= 1.f / FM_SCORERS;
+    return ens;
+}
+
+// Both rows of this thread when every row of the warp has a positive finite
+// scale: relu(scale * x) = scale * relu(x), so each scorer's sum of w * relu(x)
+// is taken over the raw dot products and multiplied once by scale * 2^-e
+// (when that product is not a normal float, by 2^-e and the scale in turn):
+// two instructions per accumulator instead of three, and one head weight
+// load for both rows.
+__device__ __forceinline__ void wg8_rows_score_pos(const float* d, const float* sh_w, u32 lane, const float* scale, float inv,
+                                                   bool mean, float* ens, bool* finite) {
+    float c[2];
+    bool normal[2];
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+        c[h] = scale[h] * inv;
+        normal[h] = c[h] >= 1.17549435e-38f && c[h] <= 3.40282347e38f;
+        finite[h] = isfinite(d[2 * h]);
+        ens[h] = 0.f;
+    }
+#pragma unroll
+    for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
+        float part[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (u32 j = sc * (FM_HEADS / 8); j < (sc + 1) * (FM_HEADS / 8); ++j) {
+            const float2 w2 = *(const float2*)(sh_w + j * 8 + 2 * (lane & 3u));
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                part[h][j & 3u] = fmaf(w2.x, fmaxf(d[4 * j + 2 * h], 0.f), part[h][j & 3u]);
+                part[h][j & 3u] = fmaf(w2.y, fmaxf(d[4 * j + 2 * h + 1], 0.f), part[h][j & 3u]);
+            }
+        }
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            float si = quad_sum((part[h][0] + part[h][1]) + (part[h][2] + part[h][3]));
+            si = normal[h] ? si * c[h] : (si * inv) * scale[h];
+            ensemble_fold(si, sc, mean, ens[h], finite[h]);
+        }
+    }
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h)
+        if (mean) ens[h] *= 1.f / FM_SCORERS;
+}
+
+// Grid, threads and shared memory as fm_score_wg with fp8 keys (the compute
+// tile is unused), plus the head weights.
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(ScoreBatch B, u32* err) {
+    extern __shared__ u8 wg_smem_raw[];
+    __shared__ u32 sh_hist[FM_HIST];
+    __shared__ float sh_w[FM_QROWS];
+    __shared__ u32 sh_max[WG_THREADS / 32];
+    const u32 raw_addr = smem_addr(wg_smem_raw);
+    u8* base = wg_smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
+    u8* sh_q = base;
+    const bool mean = B.mean != 0;
+    const u32 group_bytes = WG_STAGES * WG_RAW_BYTES + WG_SUB_BYTES;
+    const ScoreSeq& S = B.seq[blockIdx.y];
+    const u8* keys = (const u8*)S.keys;
+    const u32 n = S.n, stride = S.stride;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u32 g = warp >> 2;
+    const u32 t0 = threadIdx.x & (WG_GROUP_THREADS - 1u);
+    u8* ring = base + WG_Q_BYTES + g * group_bytes;
+
+    const WgTiles T = wg_tiles(n, g);
+    const u32 step = T.step, first = T.first, my_tiles = T.mine, next = T.next, next_turns = T.next_turns;
+    for (u32 i = 0; i < WG_STAGES - 1; ++i)
+        wg_issue(keys, stride, n, FM_KEYS_FP8_E4M3, t0, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * WG_RAW_BYTES);
+    wait_prerequisites();
+    // Q: four bf16 (one physical group) per item, held while max |q| is found.
+    constexpr u32 Q_ITEMS = FM_QROWS * FM_HEAD_DIM / 4;
+    constexpr u32 Q_PER = (Q_ITEMS + WG_THREADS - 1) / WG_THREADS;
+    uint2 qv[Q_PER];
+    u32 qmax = 0;  // largest |q| as bf16 bits (monotonic for non-negative values; NaN above Inf)
+#pragma unroll
+    for (u32 j = 0; j < Q_PER; ++j) {
+        const u32 it = threadIdx.x + j * WG_THREADS;
+        qv[j] = it < Q_ITEMS ? *(const uint2*)(S.q + (u64)it * 4) : make_uint2(0, 0);
+        qmax = max(qmax, max(max(qv[j].x & 0x7fffu, (qv[j].x >> 16) & 0x7fffu), max(qv[j].y & 0x7fffu, (qv[j].y >> 16) & 0x7fffu)));
+    }
+    for (u32 i = threadIdx.x; i < FM_HIST; i += WG_THREADS) sh_hist[i] = 0;
+    for (u32 i = threadIdx.x; i < FM_QROWS; i += WG_THREADS) sh_w[i] = S.w[i];
+    qmax = __reduce_max_sync(KVS_FULL_MASK, qmax);
+    if (lane == 0) sh_max[warp] = qmax;
+    __syncthreads();
+    qmax = 0;
+#pragma unroll
+    for (u32 w = 0; w < WG_THREADS / 32; ++w) qmax = max(qmax, sh_max[w]);
+    // 2^e with max |q| * 2^e in [2^14, 2^15); none for zero or non-finite q
+    // (a non-finite q makes the scores non-finite: an error either way).
+    const int qexp = (int)((qmax >> 7) & 0xffu);
+    const int e = (qmax == 0 || qexp == 0xff) ? 0 : min(126, max(-126, 141 - max(qexp, 1)));
+    const float qscale = __int_as_float((127 + e) << 23), inv = __int_as_float((127 - e) << 23);
+#pragma unroll
+    for (u32 j = 0; j < Q_PER; ++j) {
+        const u32 it = threadIdx.x + j * WG_THREADS;
+        if (it >= Q_ITEMS) break;
+        const u32 r = it / (FM_HEAD_DIM / 4), p = (it % (FM_HEAD_DIM / 4)) * 4;
+        const u32 k = fp8_logical_k(p);  // p, p + 1 -> k, k + 1; p + 2, p + 3 -> k + 8, k + 9
+        const u32 w[2] = {qv[j].x, qv[j].y};
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            const float lo = bf16_to_f32((u16)(w[h] & 0xffffu)) * qscale, hi = bf16_to_f32((u16)(w[h] >> 16)) * qscale;
+            u32 packed;
+            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+            const u32 kk = k + 8 * h;
+            *(u32*)(sh_q + sw128(FM_QROWS, r, kk / 8) + (kk % 8) * 2) = packed;
+        }
+    }
+    cp_async_wait_all();  // the first tiles
+    fence_async_smem();   // Q (generic stores) -> tensor-core reads
+    __syncthreads();
+    bool bad = false;
+    u32 bad_chunk = 0;
+    const u64 db0 = gmma_desc(smem_addr(sh_q));
+    // This thread's A rows in a tile and its byte segment in them.
+    const u32 ra = (warp & 3u) * 16 + (lane >> 2), rb = ra + 8, tq = lane & 3u;
+    if (g == WG_GROUPS - 1 && T.first_turns > 0) turn_pass(WG_ORDER_BAR);
+    for (u32 i = 0; i < my_tiles; ++i) {
+        const u32 c0 = (first + i * step) * WG_ROWS;
+        const u8* slot = ring + (i % WG_STAGES) * WG_RAW_BYTES;
+        cp_async_wait_stages();
+        wg_barrier(g);
+        {
+            const u32 ahead = i + WG_STAGES - 1;
+            wg_issue(keys, stride, n, FM_KEYS_FP8_E4M3, t0, (first + ahead * step) * WG_ROWS, ahead < my_tiles, ring + (ahead % WG_STAGES) * WG_RAW_BYTES);
+        }
+        // A fragments of all k steps: row ra / rb, bytes [WG8_SEG * tq, + WG8_SEG).
+        u32 a[FM_KSTEPS][4];
+#pragma unroll
+        for (u32 q = 0; q < WG8_SEG / 16; ++q) {
+            const u32 c = (WG8_SEG / 16) * tq + q;
+            const uint4 va = *(const uint4*)(slot + ra * FM_HEAD_DIM + ((c ^ raw_swz(ra)) << 4));
+            const uint4 vb = *(const uint4*)(slot + rb * FM_HEAD_DIM + ((c ^ raw_swz(rb)) << 4));
+            const u32 wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
+#pragma unroll
+            for (u32 x = 0; x < 4; ++x) {
+                const u32 ks = 4 * q + x;
+                a[ks][0] = e4m3x2_to_f16x2(wa[x]);        // row ra, k 2t, 2t + 1
+                a[ks][1] = e4m3x2_to_f16x2(wb[x]);        // row rb
+                a[ks][2] = e4m3x2_to_f16x2(wa[x] >> 16);  // row ra, k 2t + 8, 2t + 9
+                a[ks][3] = e4m3x2_to_f16x2(wb[x] >> 16);  // row rb
+            }
+        }
+        turn_wait(WG_ORDER_BAR + g);
+        float d[FM_QROWS / 2];
+#pragma unroll
+        for (u32 k = 0; k < FM_QROWS / 2; ++k) d[k] = 0.f;
+        wgmma_fence();
+#pragma unroll
+        for (u32 ks = 0; ks < FM_KSTEPS; ++ks) {
+            const u32 kb = ks >> 2, within = (ks & 3u) * 32u;
+            const u64 db = db0 + ((kb * (FM_QROWS * 128u) + within) >> 4);
+            wgmma_rs_row(d, a[ks], db, ks > 0 ? 1u : 0u);
+        }
+        wgmma_commit();
+        if (i < next_turns) turn_pass(WG_ORDER_BAR + next);
+        // The rows' scales, loaded while the MMAs run.
+        const u32 chunks[2] = {c0 + ra, c0 + rb};
+        float scales[2];
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) scales[h] = chunks[h] < n ? S.scales[chunks[h]] : 1.f;
+        wgmma_wait0();
+
+        if (__all_sync(KVS_FULL_MASK, scales[0] > 0.f && scales[0] <= 3.40282347e38f && scales[1] > 0.f && scales[1] <= 3.40282347e38f)) {
+            float ens[2];
+            bool finite[2];
+            wg8_rows_score_pos(d, sh_w, lane, scales, inv, mean, ens, finite);
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], lane, S, sh_hist, bad, bad_chunk);
+            continue;
+        }
+        // Any scale (zero, negative, non-finite): per element.
+#pragma unroll
+        for (u32 half = 0; half < 2; ++half) {
+            const u32 chunk = chunks[half];
+            const bool in = chunk < n;
+            const float scale = scales[half];
+            const float c = scale * inv;
+            bool finite;
+            float ens;
+            if (fabsf(c) >= 1.17549435e-38f && fabsf(c) <= 3.40282347e38f) ens = wg8_row_score<1>(d, half, sh_w, lane, c, inv, scale, mean, finite);
+            else ens = wg8_row_score<2>(d, half, sh_w, lane, c, inv, scale, mean, finite);
+            wg_file_score(ens, finite, in, chunk, lane, S, sh_hist, bad, bad_chunk);
+        }
+    }
+    cp_async_wait_all();
+    if (bad) record_error(err, FM_ERR_SCORE, bad_chunk, blockIdx.y);
+    allow_dependents();
+    __syncthreads();
+    flush_hist(sh_hist, S.hist);
+}
+#endif  // FM_WGMMA, FM_HEAD_DIM 64 or 128

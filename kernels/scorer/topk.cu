@@ -1,0 +1,344 @@
+// Part of the FlashMemory scorer's CUDA source: the files of kernels/scorer/
+// are concatenated in the order of src/kernels.rs (after kernels/common.cuh)
+// and compiled by NVRTC as one unit.
+
+// ------------------------------------------------------------------- top-k
+//
+// Two launches. fm_select makes one pass over the scores: every block finds
+// the threshold bin b of the scoring kernel's histogram (the highest bin
+// with count(bins > b) < want <= count(bins >= b)), then files its keys:
+// above b into `sure` (certainly in the top-k), in b into `tie`. Keys are
+// 64-bit (score key << 32 | ~id), so descending key order is descending
+// score with ties to the lower id. The histogram tells every block how many
+// sure keys and ties there are in all; block 0 publishes the two counts.
+// fm_order, its programmatic dependent, ranks the candidates by counting,
+// spread over many blocks (a sure key among the sure keys, a tie among the
+// ties after them), and writes the ids of ranks below `want`, -1 padded (all
+// -1 after a recorded error). When there are more than FM_ORDER_MAX
+// candidates (many equal scores), its block 0 alone narrows the ties to the
+// `want - n_sure` best by 8-bit radix passes and ranks the winners. fm_order's
+// block 0 also zeroes the histogram and the append counters for the next
+// call (graph replay needs no memset): no fm_order block reads them.
+
+// Per-sequence selection state.
+//   appended  fm_select's append cursors: sure keys in bits 0..19 (< want <=
+//             FM_RANK_MAX), ties in bits 20..43 (<= n <= 2^22); one atomic
+//             reserves a block's places in both lists. Zero between calls.
+//   filed     the final counts, same fields, published by fm_select's block 0
+//             and read by fm_order.
+struct SelectState {
+    u64 appended;
+    u64 filed;
+};
+#define FM_ST_TIE_SHIFT 20
+__device__ __forceinline__ u32 st_sure(u64 c) { return (u32)(c & ((1u << FM_ST_TIE_SHIFT) - 1u)); }
+__device__ __forceinline__ u32 st_tie(u64 c) { return (u32)(c >> FM_ST_TIE_SHIFT); }
+
+struct SelectSeq {
+    const u32* skey;   // [n]
+    u32* hist;         // [FM_HIST_WORDS] fine and coarse counts of skey (flush_hist)
+    SelectState* st;
+    u64* sure;         // [FM_RANK_MAX] key64 of candidates certainly in the top-k
+    u64* tie;          // [n] key64 of candidates in the threshold bin
+    i32* out;          // [k] result
+    u32 n;
+    u32 pad;
+};
+
+struct SelectBatch {
+    u32 n_seqs;
+    u32 k;
+    SelectSeq seq[FM_MAX_BATCH];
+};
+
+#define FM_SEL_THREADS 512
+#define FM_SEL_ITEMS 4      // keys per thread
+#define FM_RANK_MAX 2048    // the largest k
+#define FM_MAX_CHUNKS 4194304u  // scorer::FM_MAX_CHUNKS (checked on the host)
+static_assert(FM_MAX_CHUNKS < (1u << (64 - FM_ST_TIE_SHIFT - 20)) && FM_RANK_MAX < (1u << FM_ST_TIE_SHIFT),
+              "SelectState fields hold their counts");
+#define FM_GROUP_MAX 512    // a boundary group this small is ranked by counting
+
+
+__device__ __forceinline__ u64 key64(u32 skey, u32 id) { return ((u64)skey << 32) | (u64)(0xFFFFFFFFu - id); }
+
+// Within 64 bins h[0..64) (the caller's view), the bin b with
+// count(> b) < want <= count(>= b), the count above it and its own. One
+// warp, every lane gets the result; lane l holds bins 63 - 2l and 62 - 2l.
+__device__ __forceinline__ u32 warp_threshold64(u32 hi_bin, u32 lo_bin, u32 want, u32* above_out, u32* count_out) {
+    const u32 lane = threadIdx.x & 31u;
+    const u32 local = hi_bin + lo_bin;
+    const u32 incl = warp_inclusive_sum(local);
+    const u32 before = incl - local;
+    const u32 hit = __ballot_sync(KVS_FULL_MASK, before < want && incl >= want);
+    const u32 src = hit ? __ffs(hit) - 1 : 0u;
+    const bool upper = before + hi_bin >= want;
+    const u32 bin = 63 - 2 * lane - (upper ? 0u : 1u);
+    const u32 above = upper ? before : before + hi_bin;
+    *above_out = __shfl_sync(KVS_FULL_MASK, above, src);
+    *count_out = __shfl_sync(KVS_FULL_MASK, upper ? hi_bin : lo_bin, src);
+    return __shfl_sync(KVS_FULL_MASK, bin, src);
+}
+
+// The threshold bin: the highest fine bin b with count(bins > b) < want <=
+// count(bins >= b), from the coarse bins and then the 64 fine bins of the
+// chosen coarse one (two reads by one warp). Returns b and writes the count
+// above it and its own. Every thread of the block gets the result.
+__device__ u32 threshold_bin(const u32* hist, u32 want, u32* above_out, u32* count_out) {
+    __shared__ u32 s_bin, s_above, s_count;
+    if (threadIdx.x < 32) {
+        const u32 lane = threadIdx.x;
+        u32 above_c, above_f, count_c, count_f;
+        const u32* coarse = hist + FM_HIST;
+        const u32 c = warp_threshold64(coarse[63 - 2 * lane], coarse[62 - 2 * lane], want, &above_c, &count_c);
+        const u32* fine = hist + c * FM_FINE_PER_COARSE;
+        const u32 f = warp_threshold64(fine[63 - 2 * lane], fine[62 - 2 * lane], want - above_c, &above_f, &count_f);
+        if (lane == 0) {
+            s_bin = c * FM_FINE_PER_COARSE + f;
+            s_above = above_c + above_f;
+            s_count = count_f;
+        }
+    }
+    __syncthreads();
+    *above_out = s_above;
+    *count_out = s_count;
+    return s_bin;
+}
+
+// The digit d of a 256-bin histogram (shared memory) with count(> d) < want
+// <= count(>= d), found by one warp (suffix sums over lanes); the result is in
+// *s_digit, *s_above after the caller's next __syncthreads.
+__device__ void threshold_digit(const u32* h, u32 want, u32* s_digit, u32* s_above) {
+    if (threadIdx.x >= 32) return;
+    const u32 lane = threadIdx.x;
+    const u32 hi = 256 - 8 * lane;  // lane l owns bins [hi - 8, hi), lane 0 the top ones
+    u32 local = 0;
+#pragma unroll
+    for (u32 b = hi - 8; b < hi; ++b) local += h[b];
+    const u32 incl = warp_inclusive_sum(local);
+    const u32 before = incl - local;
+    if (before < want && incl >= want) {
+        u32 acc = before;
+        for (u32 b = hi; b-- > hi - 8;) {
+            if (acc + h[b] >= want) {
+                *s_digit = b;
+                *s_above = acc;
+                break;
+            }
+            acc += h[b];
+        }
+    }
+}
+
+// How many of x[0..m) (shared memory) exceed k; four independent loads per
+// step keep the shared-memory pipeline busy.
+__device__ __forceinline__ u32 count_greater(const u64* x, u32 m, u64 k) {
+    u32 r0 = 0, r1 = 0, r2 = 0, r3 = 0, j = 0;
+    for (; j + 4 <= m; j += 4) {
+        const u64 a = x[j], b = x[j + 1], c = x[j + 2], d = x[j + 3];
+        r0 += a > k;
+        r1 += b > k;
+        r2 += c > k;
+        r3 += d > k;
+    }
+    for (; j < m; ++j) r0 += x[j] > k;
+    return (r0 + r1) + (r2 + r3);
+}
+
+// counters[bin]++ for the calling lanes with `valid`, returning each one's
+// old count plus its rank among the lanes of its warp with the same bin: one
+// shared atomic per distinct bin and warp (same-address atomics serialise,
+// and winners or ties often share a bin). Any subset of a warp may call it.
+__device__ __forceinline__ u32 count_in_bin(u32* counters, u32 bin, bool valid) {
+    const u32 mask = __activemask();
+    const u32 peers = __match_any_sync(mask, valid ? bin : 0xFFFFFFFFu);
+    const u32 lane = threadIdx.x & 31u, leader = __ffs(peers) - 1;
+    u32 base = 0;
+    if (valid && lane == leader) base = atomicAdd(&counters[bin], (u32)__popc(peers));
+    base = __shfl_sync(mask, base, leader);
+    return base + __popc(peers & ((1u << lane) - 1u));
+}
+
+// list[(*count)++] = k for the calling lanes with p, one shared atomic per
+// warp (same-address atomics serialise). Lanes that reach it together are
+// aggregated; any subset of a warp may call it.
+__device__ __forceinline__ void push_key(u64* list, u32* count, u64 k, bool p) {
+    const u32 mask = __activemask();
+    const u32 b = __ballot_sync(mask, p);
+    if (!b) return;
+    const u32 lane = threadIdx.x & 31u, leader = __ffs(b) - 1;
+    u32 base = 0;
+    if (lane == leader) base = atomicAdd(count, (u32)__popc(b));
+    base = __shfl_sync(mask, base, leader);
+    if (p) list[base + __popc(b & ((1u << lane) - 1u))] = k;
+}
+
+// Narrows keys[0..m) (global memory, written by the previous launch, read
+// through L2; all equal above bit `shift`) to their top `want` by key64:
+// 8-bit radix passes append the certain keys to fin (at *nfin) until the
+// boundary group holds at most FM_GROUP_MAX keys, which are then ranked by
+// counting. One block; every thread must call it.
+__device__ __forceinline__ void narrow_topk(const u64* keys, u32 m, u32 want, int shift, u64* fin, u32* nfin) {
+    __shared__ u32 s_hist[256];
+    __shared__ u32 s_digit, s_above, s_cnt;
+    __shared__ u64 s_group[FM_GROUP_MAX];
+    u64 prefix = 0, mask = 0;
+    u32 group = m;
+    while (group > FM_GROUP_MAX && shift > 0) {
+        shift = shift >= 8 ? shift - 8 : 0;
+        for (u32 i = threadIdx.x; i < 256; i += blockDim.x) s_hist[i] = 0;
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < m; i += blockDim.x) {
+            const u64 k = __ldcg(keys + i);
+            count_in_bin(s_hist, (u32)(k >> shift) & 0xffu, (k & mask) == prefix);
+        }
+        __syncthreads();
+        threshold_digit(s_hist, want, &s_digit, &s_above);
+        __syncthreads();
+        const u32 digit = s_digit;
+        for (u32 i = threadIdx.x; i < m; i += blockDim.x) {
+            const u64 k = __ldcg(keys + i);
+            push_key(fin, nfin, k, (k & mask) == prefix && ((k >> shift) & 0xffu) > digit);
+        }
+        want -= s_above;
+        group = s_hist[digit];
+        prefix |= (u64)digit << shift;
+        mask |= (u64)0xff << shift;
+        __syncthreads();
+    }
+    // The boundary group (at most FM_GROUP_MAX keys: key64s are unique, so a
+    // group with all 64 bits fixed has one key) into shared memory, ranked.
+    if (threadIdx.x == 0) s_cnt = 0;
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < m; i += blockDim.x) {
+        const u64 k = __ldcg(keys + i);
+        push_key(s_group, &s_cnt, k, (k & mask) == prefix);
+    }
+    __syncthreads();
+    const u32 g = s_cnt;
+    for (u32 i = threadIdx.x; i < g; i += blockDim.x) {
+        const u64 k = s_group[i];
+        const u32 r = count_greater(s_group, g, k);
+        push_key(fin, nfin, k, r < want);
+    }
+    __syncthreads();
+}
+
+// Grid: (ceil(n / (FM_SEL_THREADS * FM_SEL_ITEMS)), sequences), FM_SEL_THREADS
+// threads. `err` is read by fm_order (the two take the same parameters).
+extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBatch B, const u32* err) {
+    __shared__ u32 s_base_sure, s_base_tie;
+    wait_prerequisites();  // skey and hist come from the scoring kernel
+    allow_dependents();
+    const SelectSeq& S = B.seq[blockIdx.y];
+    const u32 n = S.n;
+    const u32 want = min(B.k, n);
+    const u32 lo = blockIdx.x * (FM_SEL_THREADS * FM_SEL_ITEMS);
+    u32 skeys[FM_SEL_ITEMS];
+#pragma unroll
+    for (u32 j = 0; j < FM_SEL_ITEMS; ++j) {  // in flight while the threshold is found
+        const u32 c = lo + j * FM_SEL_THREADS + threadIdx.x;
+        skeys[j] = c < n ? S.skey[c] : 0u;
+    }
+    u32 n_sure, n_tie;
+    const u32 b1 = threshold_bin(S.hist, want, &n_sure, &n_tie);
+    if (blockIdx.x == 0 && threadIdx.x == 0) S.st->filed = (u64)n_sure | ((u64)n_tie << FM_ST_TIE_SHIFT);
+    // 0 = out, 1 = tie, 2 = sure; counts packed sure | tie << 16 (< 2^16 each per block).
+    u32 cls[FM_SEL_ITEMS], packed = 0;
+#pragma unroll
+    for (u32 j = 0; j < FM_SEL_ITEMS; ++j) {
+        const u32 c = lo + j * FM_SEL_THREADS + threadIdx.x;
+        const u32 b = skeys[j] >> (32 - FM_HIST_BITS);
+        cls[j] = c >= n ? 0u : (b > b1 ? 2u : (b == b1 ? 1u : 0u));
+        packed += cls[j] == 2u ? 1u : (cls[j] == 1u ? 0x10000u : 0u);
+    }
+    u32 total;
+    const u32 at = block_exclusive_sum(packed, &total);
+    if (total == 0) return;  // uniform: nothing to file
+    if (threadIdx.x == 0) {
+        const u64 old = atomicAdd(&S.st->appended, (u64)(total & 0xffffu) | ((u64)(total >> 16) << FM_ST_TIE_SHIFT));
+        s_base_sure = st_sure(old);
+        s_base_tie = st_tie(old);
+    }
+    __syncthreads();
+    u32 at_sure = s_base_sure + (at & 0xffffu), at_tie = s_base_tie + (at >> 16);
+#pragma unroll
+    for (u32 j = 0; j < FM_SEL_ITEMS; ++j) {
+        const u32 c = lo + j * FM_SEL_THREADS + threadIdx.x;
+        if (cls[j] == 2u) S.sure[at_sure++] = key64(skeys[j], c);
+        else if (cls[j] == 1u) S.tie[at_tie++] = key64(skeys[j], c);
+    }
+}
+
+// Grid: (FM_ORDER_MAX / FM_ORDER_CANDS, sequences), FM_ORDER_THREADS threads.
+// Block x ranks candidates [x * FM_ORDER_CANDS, (x + 1) * FM_ORDER_CANDS)
+// (sure keys first, then ties): FM_ORDER_SLICES threads per candidate count
+// the keys of its group above it, one slice of the group each. Keys are
+// unique, so the ranks are distinct.
+#define FM_ORDER_MAX 4096
+#define FM_ORDER_CANDS 64
+#define FM_ORDER_SLICES 8
+#define FM_ORDER_THREADS (FM_ORDER_CANDS * FM_ORDER_SLICES)
+static_assert(FM_ORDER_MAX % FM_ORDER_CANDS == 0 && FM_ORDER_MAX >= FM_RANK_MAX, "whole blocks of candidates");
+
+// More than FM_ORDER_MAX candidates: one block narrows the ties to the
+// `want - ns` best and ranks the `want` winners (fin: FM_RANK_MAX keys of
+// shared memory) among themselves.
+__device__ void order_narrowed(const SelectSeq& S, u32 ns, u32 nt, u32 want, u64* fin) {
+    __shared__ u32 s_nfin;
+    for (u32 i = threadIdx.x; i < ns; i += blockDim.x) fin[i] = __ldcg(S.sure + i);
+    if (threadIdx.x == 0) s_nfin = ns;
+    __syncthreads();
+    // Ties share the top FM_HIST_BITS bits of the 64-bit key.
+    narrow_topk(S.tie, nt, want - ns, 64 - FM_HIST_BITS, fin, &s_nfin);
+    for (u32 i = threadIdx.x; i < want; i += blockDim.x)
+        S.out[count_greater(fin, want, fin[i])] = (i32)(0xFFFFFFFFu - (u32)fin[i]);
+}
+
+extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBatch B, const u32* err) {
+    __shared__ u64 keys[FM_ORDER_MAX];
+    __shared__ u32 part[FM_ORDER_SLICES][FM_ORDER_CANDS];
+    wait_prerequisites();  // fm_select has filed and published the candidates
+    const SelectSeq& S = B.seq[blockIdx.y];
+    const u32 want = min(B.k, S.n);
+    const u64 filed = __ldcg(&S.st->filed);
+    if (blockIdx.x == 0) {
+        // fm_select is done with the histogram and the append counters, and
+        // no block of this launch reads them: zero them for the next call.
+        for (u32 i = threadIdx.x; i < FM_HIST_WORDS; i += blockDim.x) S.hist[i] = 0;
+        if (threadIdx.x == 0) S.st->appended = 0;
+        for (u32 i = (err[0] != 0 ? 0u : want) + threadIdx.x; i < B.k; i += blockDim.x) S.out[i] = -1;
+    }
+    if (err[0] != 0) return;  // a recorded error: no garbage, all -1 (above)
+    const u32 ns = st_sure(filed), nt = st_tie(filed), m = ns + nt;
+    if (m > FM_ORDER_MAX) {
+        if (blockIdx.x == 0) order_narrowed(S, ns, nt, want, keys);
+        return;
+    }
+    const u32 c0 = blockIdx.x * FM_ORDER_CANDS;
+    if (c0 >= m) return;
+    // The groups this block's candidates belong to: keys [lo, hi).
+    const u32 c1 = min(c0 + FM_ORDER_CANDS, m);
+    const u32 lo = c0 < ns ? 0u : ns, hi = c1 > ns ? m : ns;
+    for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x)
+        keys[i - lo] = i < ns ? __ldcg(S.sure + i) : __ldcg(S.tie + (i - ns));
+    __syncthreads();
+    const u32 slot = threadIdx.x % FM_ORDER_CANDS, slice = threadIdx.x / FM_ORDER_CANDS;
+    const u32 c = c0 + slot;
+    u32 above = 0;
+    if (c < c1) {
+        const u64 key = keys[c - lo];
+        const u32 g0 = c < ns ? 0u : ns, g1 = c < ns ? ns : m;  // its group
+        const u32 per = (g1 - g0 + FM_ORDER_SLICES - 1) / FM_ORDER_SLICES;
+        const u32 a = min(g0 + slice * per, g1), z = min(a + per, g1);
+        above = count_greater(keys + (a - lo), z - a, key);
+    }
+    part[slice][slot] = above;
+    __syncthreads();
+    if (slice == 0 && c < c1) {
+        u32 rank = c < ns ? 0u : ns;
+#pragma unroll
+        for (u32 i = 0; i < FM_ORDER_SLICES; ++i) rank += part[i][slot];
+        if (rank < want) S.out[rank] = (i32)(0xFFFFFFFFu - (u32)keys[c - lo]);
+    }
+}
