@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 
-// Sequences per launch (`FM_MAX_BATCH` in kernels/scorer.cu).
+// Sequences per launch (`FM_MAX_BATCH` in kernels/scorer/project.cu).
 #define MAX_BATCH 64
 
 // Longest checkpoint path (including the terminating NUL) a `KvswapConfig` holds.
