@@ -285,9 +285,43 @@ __device__ __forceinline__ void wg_file_score(float ens, bool finite, bool in, u
     }
 }
 
+// The ensemble scores of ROWS of this thread's two rows (half0, half0 + 1):
+// per scorer, sum_h w[h] * relu(x(r, acc)) over the row's accumulators, in
+// four independent chains (n-tiles j mod 4, to hide the FMA latency), summed
+// over the quad holding the row, post(r, sum), folded into ens[r] (max or
+// mean). weight(j) gives the weights of n-tile j's two columns, loaded once
+// for all rows. finite[r] comes in set by the caller and turns false when a
+// scorer's score is not finite.
+template <u32 ROWS, typename Weight, typename X, typename Post>
+__device__ __forceinline__ void head_sums(const float* d, u32 half0, Weight weight, X x, Post post, bool mean, float* ens, bool* finite) {
+#pragma unroll
+    for (u32 r = 0; r < ROWS; ++r) ens[r] = 0.f;
+#pragma unroll
+    for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
+        float part[ROWS][4];
+#pragma unroll
+        for (u32 r = 0; r < ROWS; ++r) part[r][0] = part[r][1] = part[r][2] = part[r][3] = 0.f;
+#pragma unroll
+        for (u32 j = sc * (FM_HEADS / 8); j < (sc + 1) * (FM_HEADS / 8); ++j) {
+            const float2 w2 = weight(j);
+#pragma unroll
+            for (u32 r = 0; r < ROWS; ++r) {
+                part[r][j & 3u] = fmaf(w2.x, fmaxf(x(r, d[4 * j + 2 * (half0 + r)]), 0.f), part[r][j & 3u]);
+                part[r][j & 3u] = fmaf(w2.y, fmaxf(x(r, d[4 * j + 2 * (half0 + r) + 1]), 0.f), part[r][j & 3u]);
+            }
+        }
+#pragma unroll
+        for (u32 r = 0; r < ROWS; ++r)
+            ensemble_fold(post(r, quad_sum((part[r][0] + part[r][1]) + (part[r][2] + part[r][3]))), sc, mean, ens[r], finite[r]);
+    }
+#pragma unroll
+    for (u32 r = 0; r < ROWS; ++r)
+        if (mean) ens[r] *= 1.f / FM_SCORERS;
+}
+__device__ __forceinline__ float no_post(u32, float s) { return s; }
+
 // The ensemble score of one of this thread's two rows (`half`) from its
-// accumulators: per scorer sum_h w[h] * relu(x[h]), x = scale * (q . key)
-// when SCALED; the quad holding the row reduces it. `finite` turns false for
+// accumulators, x = scale * (q . key) when SCALED. `finite` turns false for
 // a non-finite key (every column of its row is then non-finite, so one
 // column is checked), a non-finite scale, or a dot product overflowing to
 // +inf (it reaches the scorer's sum); -inf overflow is clamped by the relu as
@@ -296,22 +330,10 @@ __device__ __forceinline__ void wg_file_score(float ens, bool finite, bool in, u
 template <bool SCALED>
 __device__ __forceinline__ float wg_row_score(const float* d, u32 half, const float (*wv)[2], float scale, bool mean, bool& finite) {
     finite = isfinite(d[2 * half]) && isfinite(scale);
-    float ens = 0.f;
-#pragma unroll
-    for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
-        // Four independent chains (n-tiles j mod 4) hide the FMA latency.
-        float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (u32 j = sc * (FM_HEADS / 8); j < (sc + 1) * (FM_HEADS / 8); ++j) {
-#pragma unroll
-            for (u32 e = 0; e < 2; ++e) {
-                const float x = SCALED ? d[4 * j + 2 * half + e] * scale : d[4 * j + 2 * half + e];
-                part[j & 3u] = fmaf(wv[j][e], fmaxf(x, 0.f), part[j & 3u]);
-            }
-        }
-        ensemble_add((part[0] + part[1]) + (part[2] + part[3]), sc, mean, ens, finite);
-    }
-    if (mean) ens *= 1.f / FM_SCORERS;
+    float ens;
+    head_sums<1>(
+        d, half, [&](u32 j) { return make_float2(wv[j][0], wv[j][1]); }, [&](u32, float a) { return SCALED ? a * scale : a; }, no_post,
+        mean, &ens, &finite);
     return ens;
 }
 

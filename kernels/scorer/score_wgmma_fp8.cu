@@ -31,29 +31,19 @@ __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
     return h2;
 }
 
-// x = d * c (MODE 1) or (d * inv) * scale (MODE 2), then the ensemble as
-// wg_row_score; wv from shared memory.
+// The head weights of n-tile j's two columns of this thread, from shared memory.
+__device__ __forceinline__ float2 sh_weights(const float* sh_w, u32 lane, u32 j) { return *(const float2*)(sh_w + j * 8 + 2 * (lane & 3u)); }
+
+// One row, any scale: x = d * c (MODE 1) or (d * inv) * scale (MODE 2) per
+// accumulator, then the ensemble as wg_row_score.
 template <int MODE>
 __device__ __forceinline__ float wg8_row_score(const float* d, u32 half, const float* sh_w, u32 lane, float c, float inv, float scale,
                                                bool mean, bool& finite) {
     finite = isfinite(d[2 * half]) && isfinite(scale);
-    float ens = 0.f;
-#pragma unroll
-    for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
-        float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (u32 j = sc * (FM_HEADS / 8); j < (sc + 1) * (FM_HEADS / 8); ++j) {
-            const float2 w2 = *(const float2*)(sh_w + j * 8 + 2 * (lane & 3u));
-#pragma unroll
-            for (u32 e = 0; e < 2; ++e) {
-                const float a = d[4 * j + 2 * half + e];
-                const float x = MODE == 1 ? a * c : (a * inv) * scale;
-                part[j & 3u] = fmaf(e ? w2.y : w2.x, fmaxf(x, 0.f), part[j & 3u]);
-            }
-        }
-        ensemble_add((part[0] + part[1]) + (part[2] + part[3]), sc, mean, ens, finite);
-    }
-    if (mean) ens *= 1.f / FM_SCORERS;
+    float ens;
+    head_sums<1>(
+        d, half, [&](u32 j) { return sh_weights(sh_w, lane, j); },
+        [&](u32, float a) { return MODE == 1 ? a * c : (a * inv) * scale; }, no_post, mean, &ens, &finite);
     return ens;
 }
 
@@ -72,30 +62,10 @@ __device__ __forceinline__ void wg8_rows_score_pos(const float* d, const float* 
         c[h] = scale[h] * inv;
         normal[h] = c[h] >= 1.17549435e-38f && c[h] <= 3.40282347e38f;
         finite[h] = isfinite(d[2 * h]);
-        ens[h] = 0.f;
     }
-#pragma unroll
-    for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
-        float part[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-        for (u32 j = sc * (FM_HEADS / 8); j < (sc + 1) * (FM_HEADS / 8); ++j) {
-            const float2 w2 = *(const float2*)(sh_w + j * 8 + 2 * (lane & 3u));
-#pragma unroll
-            for (u32 h = 0; h < 2; ++h) {
-                part[h][j & 3u] = fmaf(w2.x, fmaxf(d[4 * j + 2 * h], 0.f), part[h][j & 3u]);
-                part[h][j & 3u] = fmaf(w2.y, fmaxf(d[4 * j + 2 * h + 1], 0.f), part[h][j & 3u]);
-            }
-        }
-#pragma unroll
-        for (u32 h = 0; h < 2; ++h) {
-            float si = quad_sum((part[h][0] + part[h][1]) + (part[h][2] + part[h][3]));
-            si = normal[h] ? si * c[h] : (si * inv) * scale[h];
-            ensemble_fold(si, sc, mean, ens[h], finite[h]);
-        }
-    }
-#pragma unroll
-    for (u32 h = 0; h < 2; ++h)
-        if (mean) ens[h] *= 1.f / FM_SCORERS;
+    head_sums<2>(
+        d, 0, [&](u32 j) { return sh_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
+        [&](u32 h, float si) { return normal[h] ? si * c[h] : (si * inv) * scale[h]; }, mean, ens, finite);
 }
 
 // Grid, threads and shared memory as fm_score_wg with fp8 keys (the compute
