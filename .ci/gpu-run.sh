@@ -28,6 +28,22 @@ if [[ $what == ffi ]]; then
   tail -15 "$OUT/ffi-c-cuda.log"
 fi
 if [[ $what == multi ]]; then
+  # The CUDA backend's GPU suite on every device at once: one process per GPU,
+  # each seeing only its own (CUDA_VISIBLE_DEVICES), all started together.
+  echo "=== gpu-tests on $NGPU device(s) at once"; t=$SECONDS
+  for d in $(seq 0 $((NGPU - 1))); do
+    ( CUDA_VISIBLE_DEVICES=$d $T/gpu --ignored --test-threads=1 --skip multi_gpu >"$OUT/gpu-tests-dev$d.log" 2>&1
+      echo $? >"$OUT/gpu-tests-dev$d.rc" ) &
+  done
+  wait
+  for d in $(seq 0 $((NGPU - 1))); do
+    rc=$(cat "$OUT/gpu-tests-dev$d.rc"); echo "    device $d: rc $rc, $(grep -E '^test result' "$OUT/gpu-tests-dev$d.log" | tail -1)"
+    [ "$rc" = 0 ] || { tail -40 "$OUT/gpu-tests-dev$d.log"; fail=1; }
+  done
+  echo "    ($((SECONDS - t)) s)"
+  # Pointers and streams of another device are refused (needs 2 GPUs).
+  [ "$NGPU" -ge 2 ] && step multi-gpu-pointers $T/gpu --ignored --test-threads=1 multi_gpu
+  # One process, one thread per context, contexts spread over the GPUs.
   step multi-cuda     env KVSWAP_TEST_BACKEND=cuda $T/multi
   step bench-multi .gpu/kvswap bench --backend cuda --multi-gpu --json "$OUT/bench-multi.json"
   cat "$OUT/bench-multi.log"

@@ -8,7 +8,7 @@
 // `dim` floats. One warp per chunk.
 extern "C" __global__ void fm_bounds_score(const float* q, const float* bmin, const float* bmax, u32 dim, u32 n,
                                            u32* skey, u32* hist, u32* err) {
-    __shared__ u32 sh_hist[FM_HIST];
+    __shared__ __align__(16) u32 sh_hist[FM_HIST];
     for (u32 i = threadIdx.x; i < FM_HIST; i += blockDim.x) sh_hist[i] = 0;
     __syncthreads();
     const u32 lane = threadIdx.x & 31u;

@@ -135,17 +135,23 @@ __device__ __forceinline__ void hist_add(u32* hist, u32 bin, bool valid) {
 #define FM_FINE_PER_COARSE (FM_HIST / FM_COARSE)
 static_assert(FM_COARSE == 64 && FM_FINE_PER_COARSE == 64, "threshold_bin reads 64 + 64 bins");
 
-// Adds a block's shared histogram into the global one (fine and coarse
-// bins). Call after a barrier; every thread of the block.
+// Adds a block's shared histogram (16-byte aligned) into the global one, fine
+// and coarse bins in one pass: each warp reads 128 consecutive fine bins (one
+// 16-byte load per lane), adds the non-zero ones, and sums each half warp's
+// 64 bins (one coarse bin) with four shuffles. Call after a barrier; every
+// thread of the block (whole warps).
 __device__ __forceinline__ void flush_hist(const u32* sh_hist, u32* hist) {
-    for (u32 i = threadIdx.x; i < FM_HIST; i += blockDim.x)
-        if (sh_hist[i]) atomicAdd(&hist[i], sh_hist[i]);
+    static_assert(FM_FINE_PER_COARSE == 64 && FM_HIST % 128 == 0, "a half warp's 16 x 4 bins are one coarse bin");
     const u32 lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
-    for (u32 c = threadIdx.x >> 5; c < FM_COARSE; c += warps) {
-        u32 v = 0;
-        for (u32 b = lane; b < FM_FINE_PER_COARSE; b += 32) v += sh_hist[c * FM_FINE_PER_COARSE + b];
+    for (u32 i = (threadIdx.x >> 5) * 128 + lane * 4; i < FM_HIST; i += warps * 128) {
+        const uint4 v = *(const uint4*)(sh_hist + i);
+        if (v.x) atomicAdd(&hist[i], v.x);
+        if (v.y) atomicAdd(&hist[i + 1], v.y);
+        if (v.z) atomicAdd(&hist[i + 2], v.z);
+        if (v.w) atomicAdd(&hist[i + 3], v.w);
+        u32 c = (v.x + v.y) + (v.z + v.w);
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(KVS_FULL_MASK, v, off);
-        if (lane == 0 && v) atomicAdd(&hist[FM_HIST + c], v);
+        for (u32 off = 8; off > 0; off >>= 1) c += __shfl_xor_sync(KVS_FULL_MASK, c, off);
+        if ((lane & 15u) == 0 && c) atomicAdd(&hist[FM_HIST + i / FM_FINE_PER_COARSE], c);
     }
 }

@@ -54,6 +54,9 @@ __device__ __forceinline__ void mma_bf16(float* d, const u32* a, u32 b0, u32 b1)
 __device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(g));
 }
+__device__ __forceinline__ void cp_async4(u32 saddr, const void* g) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(saddr), "l"(g));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
@@ -143,6 +146,7 @@ fm_score(ScoreBatch B, u32* err) {
     u8* sh_tiles = smem + FM_Q_BYTES;  // [2][FM_TILE_BYTES]
     float* sh_part = (float*)(sh_tiles + 2 * FM_TILE_BYTES);
     u32* sh_hist = (u32*)(sh_part + FM_SCORERS * FM_HGROUPS * FM_TILE);
+    static_assert((FM_Q_BYTES + 2 * FM_TILE_BYTES + FM_SCORERS * FM_HGROUPS * FM_TILE * 4) % 16 == 0, "flush_hist reads 16-byte aligned bins");
     wait_prerequisites();  // q and w come from the projection kernel
     const ScoreSeq& S = B.seq[blockIdx.y];
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;

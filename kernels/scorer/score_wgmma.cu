@@ -347,7 +347,7 @@ __device__ __forceinline__ float wg_row_score(const float* d, u32 half, const fl
 // the MMAs.
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg(ScoreBatch B, u32* err) {
     extern __shared__ u8 wg_smem_raw[];
-    __shared__ u32 sh_hist[FM_HIST];
+    __shared__ __align__(16) u32 sh_hist[FM_HIST];
     // The swizzled layouts need 1024-byte aligned regions.
     const u32 raw_addr = smem_addr(wg_smem_raw);
     u8* base = wg_smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);

@@ -68,13 +68,95 @@ __device__ __forceinline__ void wg8_rows_score_pos(const float* d, const float* 
         [&](u32 h, float si) { return normal[h] ? si * c[h] : (si * inv) * scale[h]; }, mean, ens, finite);
 }
 
-// Grid, threads and shared memory as fm_score_wg with fp8 keys (the compute
-// tile is unused), plus the head weights.
+// Starts the copy of fp8 rows [c0, c0 + WG_ROWS) into a raw tile (row r's
+// 16-byte chunk c at chunk c ^ raw_swz(r)) and of their f32 scales into `sc`,
+// by the 128 threads of a warpgroup (t0 = thread index in the group), as one
+// cp.async group: the epilogue then reads the scales from shared memory
+// instead of waiting on global loads. Thread t0 copies the same 16-byte column
+// of rows t0 / PER_ROW + j * RSTEP; RSTEP is a multiple of 8, so the swizzle
+// and both address steps are constant. Rows past n are zeroed (their scales
+// are not read). Always commits one group (possibly empty).
+__device__ __forceinline__ void wg8_issue(const u8* keys, const float* scales, u32 stride, u32 n, u32 t0, u32 c0, bool valid, u8* dst,
+                                          float* sc) {
+    constexpr u32 PER_ROW = FM_HEAD_DIM / 16, RSTEP = WG_GROUP_THREADS / PER_ROW, ITEMS = WG_ROWS / RSTEP;
+    static_assert(RSTEP % 8 == 0 && WG_ROWS % RSTEP == 0, "constant swizzle per thread");
+    if (valid) {
+        const u32 r0 = t0 / PER_ROW, c = t0 % PER_ROW;
+        const u8* src = keys + (u64)(c0 + r0) * stride + c * 16;
+        const u64 gstep = (u64)RSTEP * stride;
+        u8* d0 = dst + r0 * FM_HEAD_DIM + ((c ^ raw_swz(r0)) << 4);
+        if (c0 + WG_ROWS <= n) {
+#pragma unroll
+            for (u32 j = 0; j < ITEMS; ++j) {
+                cp_async16(smem_addr(d0 + j * RSTEP * FM_HEAD_DIM), src);
+                src += gstep;
+            }
+        } else {
+            for (u32 j = 0; j < ITEMS; ++j) {
+                if (c0 + r0 + j * RSTEP < n) cp_async16(smem_addr(d0 + j * RSTEP * FM_HEAD_DIM), src);
+                else *(uint4*)(d0 + j * RSTEP * FM_HEAD_DIM) = make_uint4(0, 0, 0, 0);
+                src += gstep;
+            }
+        }
+        if (t0 < WG_ROWS && c0 + t0 < n) cp_async4(smem_addr(sc + t0), scales + c0 + t0);
+    }
+    cp_async_commit();
+}
+
+// Development timeline of fm_score_wg_fp8 (KVSWAP_FM_DEFINES=-DFM_TRACE; the
+// default build has none of it): SM cycles per phase, summed by lane 0 of
+// every warp in shared memory, then over the grid in fm_tr; fm_order, the
+// last kernel of a call, prints the sums of every 97th call and resets them
+// (a printf here would make ptxas serialise the MMAs).
+#ifdef FM_TRACE
+#define TR_PHASES 13
+__device__ unsigned long long fm_tr[TR_PHASES + 2];  // phases, warp-tiles, warps
+__device__ u32 fm_tr_calls;
+#define TR_START u32 tr_t = (u32)clock();
+#define TR(i)                                                   \
+    do {                                                        \
+        const u32 t_ = (u32)clock();                            \
+        if (lane == 0) sh_tr[warp][i] += t_ - tr_t;             \
+        tr_t = t_;                                              \
+    } while (0)
+__device__ __forceinline__ void trace_flush(u32 (*sh_tr)[TR_PHASES], u32 my_tiles) {
+    __syncthreads();
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
+    if (lane == 0) {
+        for (u32 i = 0; i < TR_PHASES; ++i) atomicAdd(&fm_tr[i], (unsigned long long)sh_tr[warp][i]);
+        atomicAdd(&fm_tr[TR_PHASES], (unsigned long long)my_tiles);
+        atomicAdd(&fm_tr[TR_PHASES + 1], 1ull);
+    }
+}
+#define FM_TRACE_REPORT
+__device__ __forceinline__ void fm_trace_report() {
+    volatile unsigned long long* t = fm_tr;
+    if (t[TR_PHASES + 1] == 0) return;  // no fp8 scoring since the last report
+    const double tiles = (double)t[TR_PHASES], warps = (double)t[TR_PHASES + 1];
+    if (fm_tr_calls++ % 97 == 0)
+        printf("FMTRACE fp8 cycles per warp: prologue issue+prereq %.0f q-load+max %.0f q-store+sync %.0f | per warp-tile (%.2f tiles/warp): "
+               "wait+barrier %.0f issue %.0f fragments %.0f turn %.0f mma-first %.0f mma-rest %.0f mma-wait %.0f epilogue %.0f | per warp: "
+               "end barrier %.0f flush %.0f\n",
+               t[0] / warps, t[1] / warps, t[2] / warps, tiles / warps, t[3] / tiles, t[4] / tiles, t[5] / tiles, t[6] / tiles,
+               t[12] / tiles, t[7] / tiles, t[8] / tiles, t[9] / tiles, t[10] / warps, t[11] / warps);
+    for (u32 i = 0; i < TR_PHASES + 2; ++i) t[i] = 0;
+}
+#else
+#define TR_START
+#define TR(i)
+#endif
+
+// Grid, threads and shared memory as fm_score_wg with fp8 keys, plus the head
+// weights; the compute tile of each warpgroup holds its ring's scales instead.
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(ScoreBatch B, u32* err) {
     extern __shared__ u8 wg_smem_raw[];
-    __shared__ u32 sh_hist[FM_HIST];
+    __shared__ __align__(16) u32 sh_hist[FM_HIST];
     __shared__ float sh_w[FM_QROWS];
     __shared__ u32 sh_max[WG_THREADS / 32];
+#ifdef FM_TRACE
+    __shared__ u32 sh_tr[WG_THREADS / 32][TR_PHASES];
+    for (u32 i = threadIdx.x; i < WG_THREADS / 32 * TR_PHASES; i += WG_THREADS) (&sh_tr[0][0])[i] = 0;
+#endif
     const u32 raw_addr = smem_addr(wg_smem_raw);
     u8* base = wg_smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
     u8* sh_q = base;
@@ -87,12 +169,18 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
     const u32 g = warp >> 2;
     const u32 t0 = threadIdx.x & (WG_GROUP_THREADS - 1u);
     u8* ring = base + WG_Q_BYTES + g * group_bytes;
+    float* sc_ring = (float*)(ring + WG_STAGES * WG_RAW_BYTES);  // WG_STAGES x WG_ROWS scales
+    static_assert(WG_STAGES * WG_ROWS * 4 <= WG_SUB_BYTES, "the scales fit the unused compute tile");
+    TR_START
 
     const WgTiles T = wg_tiles(n, g);
     const u32 step = T.step, first = T.first, my_tiles = T.mine, next = T.next, next_turns = T.next_turns;
-    for (u32 i = 0; i < WG_STAGES - 1; ++i)
-        wg_issue(keys, stride, n, FM_KEYS_FP8_E4M3, t0, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * WG_RAW_BYTES);
+    // The first tile is loaded before waiting for the projection (keys are
+    // inputs of the call, q and w its outputs), the rest of the ring after Q:
+    // every block starts at once, and the first tiles and Q share L2.
+    wg8_issue(keys, S.scales, stride, n, t0, first * WG_ROWS, my_tiles > 0, ring, sc_ring);
     wait_prerequisites();
+    TR(0);
     // Q: four bf16 (one physical group) per item, held while max |q| is found.
     constexpr u32 Q_ITEMS = FM_QROWS * FM_HEAD_DIM / 4;
     constexpr u32 Q_PER = (Q_ITEMS + WG_THREADS - 1) / WG_THREADS;
@@ -109,6 +197,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
     qmax = __reduce_max_sync(KVS_FULL_MASK, qmax);
     if (lane == 0) sh_max[warp] = qmax;
     __syncthreads();
+    TR(1);
     qmax = 0;
 #pragma unroll
     for (u32 w = 0; w < WG_THREADS / 32; ++w) qmax = max(qmax, sh_max[w]);
@@ -133,24 +222,35 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
             *(u32*)(sh_q + sw128(FM_QROWS, r, kk / 8) + (kk % 8) * 2) = packed;
         }
     }
-    cp_async_wait_all();  // the first tiles
-    fence_async_smem();   // Q (generic stores) -> tensor-core reads
+    for (u32 i = 1; i < WG_STAGES - 1; ++i)
+        wg8_issue(keys, S.scales, stride, n, t0, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * WG_RAW_BYTES, sc_ring + i * WG_ROWS);
+    fence_async_smem();  // Q (generic stores) -> tensor-core reads (the first tiles are waited for in the loop)
     __syncthreads();
     bool bad = false;
     u32 bad_chunk = 0;
     const u64 db0 = gmma_desc(smem_addr(sh_q));
     // This thread's A rows in a tile and its byte segment in them.
     const u32 ra = (warp & 3u) * 16 + (lane >> 2), rb = ra + 8, tq = lane & 3u;
+    // The accumulators live across tiles: each tile's first MMA overwrites
+    // them (scale-d 0), so they are not cleared while holding the turn.
+    float d[FM_QROWS / 2];
+#pragma unroll
+    for (u32 k = 0; k < FM_QROWS / 2; ++k) d[k] = 0.f;
     if (g == WG_GROUPS - 1 && T.first_turns > 0) turn_pass(WG_ORDER_BAR);
+    TR(2);
     for (u32 i = 0; i < my_tiles; ++i) {
         const u32 c0 = (first + i * step) * WG_ROWS;
         const u8* slot = ring + (i % WG_STAGES) * WG_RAW_BYTES;
+        const float* sc = sc_ring + (i % WG_STAGES) * WG_ROWS;
         cp_async_wait_stages();
-        wg_barrier(g);
+        wg_barrier(g);  // tile i has landed; every thread is done with tile i - 1 (whose slot is refilled next)
+        TR(3);
         {
             const u32 ahead = i + WG_STAGES - 1;
-            wg_issue(keys, stride, n, FM_KEYS_FP8_E4M3, t0, (first + ahead * step) * WG_ROWS, ahead < my_tiles, ring + (ahead % WG_STAGES) * WG_RAW_BYTES);
+            wg8_issue(keys, S.scales, stride, n, t0, (first + ahead * step) * WG_ROWS, ahead < my_tiles,
+                      ring + (ahead % WG_STAGES) * WG_RAW_BYTES, sc_ring + (ahead % WG_STAGES) * WG_ROWS);
         }
+        TR(4);
         // A fragments of all k steps: row ra / rb, bytes [WG8_SEG * tq, + WG8_SEG).
         u32 a[FM_KSTEPS][4];
 #pragma unroll
@@ -168,25 +268,29 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
                 a[ks][3] = e4m3x2_to_f16x2(wb[x] >> 16);  // row rb
             }
         }
+        TR(5);
         turn_wait(WG_ORDER_BAR + g);
-        float d[FM_QROWS / 2];
-#pragma unroll
-        for (u32 k = 0; k < FM_QROWS / 2; ++k) d[k] = 0.f;
+        TR(6);
         wgmma_fence();
 #pragma unroll
         for (u32 ks = 0; ks < FM_KSTEPS; ++ks) {
             const u32 kb = ks >> 2, within = (ks & 3u) * 32u;
             const u64 db = db0 + ((kb * (FM_QROWS * 128u) + within) >> 4);
             wgmma_rs_row(d, a[ks], db, ks > 0 ? 1u : 0u);
+#ifdef FM_TRACE
+            if (ks == 0) TR(12);
+#endif
         }
         wgmma_commit();
         if (i < next_turns) turn_pass(WG_ORDER_BAR + next);
-        // The rows' scales, loaded while the MMAs run.
-        const u32 chunks[2] = {c0 + ra, c0 + rb};
+        TR(7);
+        // The rows' scales (landed with the tile), read while the MMAs run.
+        const u32 chunks[2] = {c0 + ra, c0 + rb}, rows[2] = {ra, rb};
         float scales[2];
 #pragma unroll
-        for (u32 h = 0; h < 2; ++h) scales[h] = chunks[h] < n ? S.scales[chunks[h]] : 1.f;
+        for (u32 h = 0; h < 2; ++h) scales[h] = chunks[h] < n ? sc[rows[h]] : 1.f;
         wgmma_wait0();
+        TR(8);
 
         if (__all_sync(KVS_FULL_MASK, scales[0] > 0.f && scales[0] <= 3.40282347e38f && scales[1] > 0.f && scales[1] <= 3.40282347e38f)) {
             float ens[2];
@@ -194,6 +298,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
             wg8_rows_score_pos(d, sh_w, lane, scales, inv, mean, ens, finite);
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], lane, S, sh_hist, bad, bad_chunk);
+            TR(9);
             continue;
         }
         // Any scale (zero, negative, non-finite): per element.
@@ -209,11 +314,17 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
             else ens = wg8_row_score<2>(d, half, sh_w, lane, c, inv, scale, mean, finite);
             wg_file_score(ens, finite, in, chunk, lane, S, sh_hist, bad, bad_chunk);
         }
+        TR(9);
     }
     cp_async_wait_all();
     if (bad) record_error(err, FM_ERR_SCORE, bad_chunk, blockIdx.y);
     allow_dependents();
     __syncthreads();
+    TR(10);
     flush_hist(sh_hist, S.hist);
+#ifdef FM_TRACE
+    TR(11);
+    trace_flush(sh_tr, my_tiles);
+#endif
 }
 #endif  // FM_WGMMA, FM_HEAD_DIM 64 or 128

@@ -341,4 +341,7 @@ extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBa
         for (u32 i = 0; i < FM_ORDER_SLICES; ++i) rank += part[i][slot];
         if (rank < want) S.out[rank] = (i32)(0xFFFFFFFFu - (u32)keys[c - lo]);
     }
+#ifdef FM_TRACE_REPORT
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) fm_trace_report();
+#endif
 }

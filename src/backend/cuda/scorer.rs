@@ -299,6 +299,11 @@ impl CudaScorer {
             defines.push("--gpu-architecture=sm_90a".into());
         }
 
+        // Development only: extra NVRTC options, e.g. "-DFM_TRACE" (a
+        // timeline of fm_score_wg_fp8, printed by the device).
+        if let Ok(extra) = std::env::var("KVSWAP_FM_DEFINES") {
+            defines.extend(extra.split_whitespace().map(String::from));
+        }
         let cubin = super::nvrtc::compile_cached_with("scorer.cu", crate::kernels::SCORER_CU, dev.cc, &defines)?;
         let module = Module::load(&cubin)?;
         // All tensors in one dtype (the stored one when they agree, else f32).
