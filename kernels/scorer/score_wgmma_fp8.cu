@@ -238,19 +238,25 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
     for (u32 k = 0; k < FM_QROWS / 2; ++k) d[k] = 0.f;
     if (g == WG_GROUPS - 1 && T.first_turns > 0) turn_pass(WG_ORDER_BAR);
     TR(2);
+    // Waits for tile i and refills the slot of tile i - 1 with tile
+    // i + WG_STAGES - 1. Tile 0's before the loop; every later tile's while
+    // the MMAs of the tile before it run (the A registers and the scales of
+    // that tile are read by then; the barrier orders those reads before the
+    // refill).
+    auto next_tile = [&](u32 i) {
+        cp_async_wait_stages();
+        wg_barrier(g);  // tile i has landed; every thread is done with tile i - 1's slot
+        TR(3);
+        const u32 ahead = i + WG_STAGES - 1;
+        wg8_issue(keys, S.scales, stride, n, t0, (first + ahead * step) * WG_ROWS, ahead < my_tiles, ring + (ahead % WG_STAGES) * WG_RAW_BYTES,
+                  sc_ring + (ahead % WG_STAGES) * WG_ROWS);
+        TR(4);
+    };
+    if (my_tiles > 0) next_tile(0);
     for (u32 i = 0; i < my_tiles; ++i) {
         const u32 c0 = (first + i * step) * WG_ROWS;
         const u8* slot = ring + (i % WG_STAGES) * WG_RAW_BYTES;
         const float* sc = sc_ring + (i % WG_STAGES) * WG_ROWS;
-        cp_async_wait_stages();
-        wg_barrier(g);  // tile i has landed; every thread is done with tile i - 1 (whose slot is refilled next)
-        TR(3);
-        {
-            const u32 ahead = i + WG_STAGES - 1;
-            wg8_issue(keys, S.scales, stride, n, t0, (first + ahead * step) * WG_ROWS, ahead < my_tiles,
-                      ring + (ahead % WG_STAGES) * WG_RAW_BYTES, sc_ring + (ahead % WG_STAGES) * WG_ROWS);
-        }
-        TR(4);
         // A fragments of all k steps: row ra / rb, bytes [WG8_SEG * tq, + WG8_SEG).
         u32 a[FM_KSTEPS][4];
 #pragma unroll
@@ -289,6 +295,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
         float scales[2];
 #pragma unroll
         for (u32 h = 0; h < 2; ++h) scales[h] = chunks[h] < n ? sc[rows[h]] : 1.f;
+        if (i + 1 < my_tiles) next_tile(i + 1);
         wgmma_wait0();
         TR(8);
 
