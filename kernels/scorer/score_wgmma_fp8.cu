@@ -182,14 +182,19 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
     wait_prerequisites();
     TR(0);
     // Q: four bf16 (one physical group) per item, held while max |q| is found.
-    constexpr u32 Q_ITEMS = FM_QROWS * FM_HEAD_DIM / 4;
+    // Item j of this thread is threadIdx.x + j * WG_THREADS: row q_r0 + j *
+    // Q_RSTEP, the same four dims p of every row (WG_THREADS is a multiple of
+    // the items per row).
+    constexpr u32 Q_ITEMS = FM_QROWS * FM_HEAD_DIM / 4, Q_IPR = FM_HEAD_DIM / 4, Q_RSTEP = WG_THREADS / Q_IPR;
     constexpr u32 Q_PER = (Q_ITEMS + WG_THREADS - 1) / WG_THREADS;
+    static_assert(WG_THREADS % Q_IPR == 0 && Q_RSTEP % 4 == 0, "Q items: whole rows per pass, rows step by 4 mod 8");
+    // Only a last, partial pass has items past the end.
+    auto q_item = [&](u32 j) { return Q_ITEMS % WG_THREADS == 0 || j + 1 < Q_PER || threadIdx.x + j * WG_THREADS < Q_ITEMS; };
     uint2 qv[Q_PER];
     u32 qmax = 0;  // largest |q| as bf16 bits (monotonic for non-negative values; NaN above Inf)
 #pragma unroll
     for (u32 j = 0; j < Q_PER; ++j) {
-        const u32 it = threadIdx.x + j * WG_THREADS;
-        qv[j] = it < Q_ITEMS ? *(const uint2*)(S.q + (u64)it * 4) : make_uint2(0, 0);
+        qv[j] = q_item(j) ? *(const uint2*)(S.q + (u64)(threadIdx.x + j * WG_THREADS) * 4) : make_uint2(0, 0);
         qmax = max(qmax, max(max(qv[j].x & 0x7fffu, (qv[j].x >> 16) & 0x7fffu), max(qv[j].y & 0x7fffu, (qv[j].y >> 16) & 0x7fffu)));
     }
     for (u32 i = threadIdx.x; i < FM_HIST; i += WG_THREADS) sh_hist[i] = 0;
@@ -206,20 +211,32 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
     const int qexp = (int)((qmax >> 7) & 0xffu);
     const int e = (qmax == 0 || qexp == 0xff) ? 0 : min(126, max(-126, 141 - max(qexp, 1)));
     const float qscale = __int_as_float((127 + e) << 23), inv = __int_as_float((127 - e) << 23);
+    {
+        // Dims p, p + 1 go to logical k, k + 1 and p + 2, p + 3 to k + 8, k + 9
+        // (half h); their byte in the swizzled Q of row r is sw128(r, kk / 8) +
+        // (kk % 8) * 2, where r % 8 = (q_r0 % 8) ^ (j * Q_RSTEP % 8) and
+        // j * Q_RSTEP % 8 is 0 or 4: four base addresses (half, parity), and
+        // item j adds j * Q_RSTEP rows.
+        const u32 q_r0 = threadIdx.x / Q_IPR, k = fp8_logical_k((threadIdx.x % Q_IPR) * 4);
+        u8* q_at[2][2];
 #pragma unroll
-    for (u32 j = 0; j < Q_PER; ++j) {
-        const u32 it = threadIdx.x + j * WG_THREADS;
-        if (it >= Q_ITEMS) break;
-        const u32 r = it / (FM_HEAD_DIM / 4), p = (it % (FM_HEAD_DIM / 4)) * 4;
-        const u32 k = fp8_logical_k(p);  // p, p + 1 -> k, k + 1; p + 2, p + 3 -> k + 8, k + 9
-        const u32 w[2] = {qv[j].x, qv[j].y};
+        for (u32 h = 0; h < 2; ++h)
 #pragma unroll
-        for (u32 h = 0; h < 2; ++h) {
-            const float lo = bf16_to_f32((u16)(w[h] & 0xffffu)) * qscale, hi = bf16_to_f32((u16)(w[h] >> 16)) * qscale;
-            u32 packed;
-            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
-            const u32 kk = k + 8 * h;
-            *(u32*)(sh_q + sw128(FM_QROWS, r, kk / 8) + (kk % 8) * 2) = packed;
+            for (u32 par = 0; par < 2; ++par) {
+                const u32 kk = k + 8 * h, c = kk / 8;
+                q_at[h][par] = sh_q + (c >> 3) * (FM_QROWS * 128u) + q_r0 * 128u + ((((c & 7u) ^ (q_r0 & 7u)) ^ (4u * par)) << 4) + (kk % 8) * 2;
+            }
+#pragma unroll
+        for (u32 j = 0; j < Q_PER; ++j) {
+            if (!q_item(j)) break;
+            const u32 w[2] = {qv[j].x, qv[j].y};
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                const float lo = bf16_to_f32((u16)(w[h] & 0xffffu)) * qscale, hi = bf16_to_f32((u16)(w[h] >> 16)) * qscale;
+                u32 packed;
+                asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+                *(u32*)(q_at[h][(j * Q_RSTEP) & 4u ? 1 : 0] + j * Q_RSTEP * 128u) = packed;
+            }
         }
     }
     for (u32 i = 1; i < WG_STAGES - 1; ++i)
