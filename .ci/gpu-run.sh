@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the GPU benchmark from .gpu/ (see .ci/gpu-build.sh)
 # on a machine with an NVIDIA GPU. Logs and JSON go to $OUT (or ./gpu-out).
-#   what=tests|bench|sanitize|all   (default all)
+#   what=tests|multi|sanitize|bench|fm|all (default all), or a profiling mode:
+#   profile|sass|ncu-detail (see README.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -27,7 +28,7 @@ if [[ $what == ffi ]]; then
   step ffi-cpp-cuda env KVSWAP_TEST_BACKEND=cuda $FM .gpu/ffi/test_abi_cpp
   tail -15 "$OUT/ffi-c-cuda.log"
 fi
-if [[ $what == multi ]]; then
+if [[ $what == multi || ( $what == all && $NGPU -ge 2 ) ]]; then
   # The CUDA backend's GPU suite on every device at once: one process per GPU,
   # each seeing only its own (CUDA_VISIBLE_DEVICES), all started together.
   echo "=== gpu-tests on $NGPU device(s) at once"; t=$SECONDS
@@ -43,6 +44,8 @@ if [[ $what == multi ]]; then
   echo "    ($((SECONDS - t)) s)"
   # Pointers and streams of another device are refused (needs 2 GPUs).
   [ "$NGPU" -ge 2 ] && step multi-gpu-pointers $T/gpu --ignored --test-threads=1 multi_gpu
+fi
+if [[ $what == multi ]]; then  # (`all` runs these in its tests and bench parts)
   # One process, one thread per context, contexts spread over the GPUs.
   step multi-cuda     env KVSWAP_TEST_BACKEND=cuda $T/multi
   step bench-multi .gpu/kvswap bench --backend cuda --multi-gpu --json "$OUT/bench-multi.json"
