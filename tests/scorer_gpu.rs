@@ -218,6 +218,30 @@ fn cuda_scorer_matches_reference_on_random_inputs() {
     }
 }
 
+/// One call long enough that every warpgroup of the wgmma kernels streams
+/// several tiles through its ring (a slot is refilled while the tile before
+/// it is still being multiplied), at the benchmark's shape, for each key
+/// dtype, against the reference.
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_scorer_long_call_matches_reference() {
+    let mut rng = Rng::fresh("scorer gpu long call");
+    let d = Dev::new();
+    let (s, h, dim, hid) = (3u32, 64u32, 128u32, 512u32);
+    let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
+    let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
+    for dtype in [KeyDtype::Fp8E4m3, KeyDtype::Bf16, KeyDtype::F32] {
+        // 132 SMs x 3 warpgroups x 64 rows = 25,344 chunks per round: 4 to 6 rounds.
+        let n = scaled(110_000) + rng.below(scaled(40_000) as u64) as usize;
+        let k = 512u32;
+        let hidden: Vec<f32> = (0..(s * hid) as usize).map(|_| gauss(&mut rng)).collect();
+        let keys = HostKeys::random(&mut rng, dtype, n, dim as usize, 1.0);
+        let got = gpu_topk(&d, &scorer, &hidden, &keys, k).unwrap();
+        let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
+        check_topk(&got, &scores, &tol, k as usize, &format!("long call {dtype:?} n={n} k={k}"));
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn cuda_scorer_adversarial_inputs() {
