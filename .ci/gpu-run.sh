@@ -19,7 +19,7 @@ SKIP=(); [ "$NGPU" -ge 2 ] || SKIP=(--skip multi_gpu)
 if [[ $what == scorer ]]; then
   step scorer-gpu     $T/scorer_gpu --ignored --test-threads=1
   step scorer-gpu-mma env KVSWAP_FM_KERNEL=mma $T/scorer_gpu --ignored --test-threads=1
-  step scorer-gpu-fp8-convert env KVSWAP_FM_KERNEL=wgmma-convert $T/scorer_gpu --ignored --test-threads=1 cuda_scorer_matches
+  step scorer-gpu-fp8-convert env KVSWAP_FM_KERNEL=wgmma-convert $T/scorer_gpu --ignored --test-threads=1 cuda_scorer_matches cuda_scorer_long_call
 fi
 if [[ $what == ffi ]]; then
   .gpu/kvswap fm init --hidden 64 --heads 16 --head-dim 64 --scorers 2 --dtype bf16 --seed 7 --out "$OUT/fm-test.safetensors" >/dev/null
@@ -56,7 +56,7 @@ if [[ $what == tests || $what == all ]]; then
   step multi-cuda     env KVSWAP_TEST_BACKEND=cuda $T/multi
   step scorer-gpu     $T/scorer_gpu --ignored --test-threads=1
   step scorer-gpu-mma env KVSWAP_FM_KERNEL=mma $T/scorer_gpu --ignored --test-threads=1
-  step scorer-gpu-fp8-convert env KVSWAP_FM_KERNEL=wgmma-convert $T/scorer_gpu --ignored --test-threads=1 cuda_scorer_matches
+  step scorer-gpu-fp8-convert env KVSWAP_FM_KERNEL=wgmma-convert $T/scorer_gpu --ignored --test-threads=1 cuda_scorer_matches cuda_scorer_long_call
   step model-cuda     env KVSWAP_TEST_BACKEND=cuda $T/model
   step threads-cuda   env KVSWAP_TEST_BACKEND=cuda $T/threads
   if [[ -x .gpu/ffi/test_abi ]]; then

@@ -220,25 +220,36 @@ fn cuda_scorer_matches_reference_on_random_inputs() {
 
 /// One call long enough that every warpgroup of the wgmma kernels streams
 /// several tiles through its ring (a slot is refilled while the tile before
-/// it is still being multiplied), at the benchmark's shape, for each key
-/// dtype, against the reference.
+/// it is still being multiplied), for 128- and 64-dim heads, each key dtype
+/// and both ensembles, against the reference. fp8 keys get some zero and
+/// negative scales, so the per-element epilogue also runs across tiles. Not
+/// scaled by KVSWAP_TEST_SCALE: the length is what it tests.
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn cuda_scorer_long_call_matches_reference() {
     let mut rng = Rng::fresh("scorer gpu long call");
     let d = Dev::new();
-    let (s, h, dim, hid) = (3u32, 64u32, 128u32, 512u32);
-    let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
-    let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
-    for dtype in [KeyDtype::Fp8E4m3, KeyDtype::Bf16, KeyDtype::F32] {
-        // 132 SMs x 3 warpgroups x 64 rows = 25,344 chunks per round: 4 to 6 rounds.
-        let n = scaled(110_000) + rng.below(scaled(40_000) as u64) as usize;
-        let k = 512u32;
-        let hidden: Vec<f32> = (0..(s * hid) as usize).map(|_| gauss(&mut rng)).collect();
-        let keys = HostKeys::random(&mut rng, dtype, n, dim as usize, 1.0);
-        let got = gpu_topk(&d, &scorer, &hidden, &keys, k).unwrap();
-        let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
-        check_topk(&got, &scores, &tol, k as usize, &format!("long call {dtype:?} n={n} k={k}"));
+    for (s, h, dim, hid) in [(3u32, 64u32, 128u32, 512u32), (2, 64, 64, 256)] {
+        let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
+        let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
+        for (dtype, e) in [(KeyDtype::Fp8E4m3, Ensemble::Max), (KeyDtype::Fp8E4m3, Ensemble::Mean), (KeyDtype::Bf16, Ensemble::Mean), (KeyDtype::F32, Ensemble::Max)] {
+            scorer.set_ensemble(e);
+            // 132 SMs x 3 warpgroups x 64 rows = 25,344 chunks per round: 4 to 6 rounds.
+            let n = 110_000 + rng.below(40_000) as usize;
+            let k = 512u32;
+            let hidden: Vec<f32> = (0..(s * hid) as usize).map(|_| gauss(&mut rng)).collect();
+            let mut keys = HostKeys::random(&mut rng, dtype, n, dim as usize, 1.0);
+            for sc in keys.scales.iter_mut() {
+                match rng.below(20) {
+                    0 => *sc = 0.0,
+                    1 => *sc = -*sc,
+                    _ => {}
+                }
+            }
+            let got = gpu_topk(&d, &scorer, &hidden, &keys, k).unwrap();
+            let (scores, tol) = reference_with_tolerance(&ckpt, e, &hidden, &keys);
+            check_topk(&got, &scores, &tol, k as usize, &format!("long call {s}x{h}x{dim} {dtype:?} {e:?} n={n} k={k}"));
+        }
     }
 }
 

@@ -154,8 +154,9 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
     __shared__ float sh_w[FM_QROWS];
     __shared__ u32 sh_max[WG_THREADS / 32];
 #ifdef FM_TRACE
-    __shared__ u32 sh_tr[WG_THREADS / 32][TR_PHASES];
-    for (u32 i = threadIdx.x; i < WG_THREADS / 32 * TR_PHASES; i += WG_THREADS) (&sh_tr[0][0])[i] = 0;
+    __shared__ u32 sh_tr[WG_THREADS / 32][TR_PHASES];  // lane 0 of each warp zeroes and sums its own row
+    if ((threadIdx.x & 31u) == 0)
+        for (u32 i = 0; i < TR_PHASES; ++i) sh_tr[threadIdx.x >> 5][i] = 0;
 #endif
     const u32 raw_addr = smem_addr(wg_smem_raw);
     u8* base = wg_smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
@@ -175,9 +176,10 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
 
     const WgTiles T = wg_tiles(n, g);
     const u32 step = T.step, first = T.first, my_tiles = T.mine, next = T.next, next_turns = T.next_turns;
-    // The first tile is loaded before waiting for the projection (keys are
-    // inputs of the call, q and w its outputs), the rest of the ring after Q:
-    // every block starts at once, and the first tiles and Q share L2.
+    // Tile 0 is loaded before waiting for the projection (keys are inputs of
+    // the call, q and w its outputs), tile 1 after Q is converted and tile 2
+    // by next_tile(0): every block starts at once, and its first tiles and Q
+    // share L2.
     wg8_issue(keys, S.scales, stride, n, t0, first * WG_ROWS, my_tiles > 0, ring, sc_ring);
     wait_prerequisites();
     TR(0);
@@ -241,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
     }
     for (u32 i = 1; i < WG_STAGES - 1; ++i)
         wg8_issue(keys, S.scales, stride, n, t0, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * WG_RAW_BYTES, sc_ring + i * WG_ROWS);
-    fence_async_smem();  // Q (generic stores) -> tensor-core reads (the first tiles are waited for in the loop)
+    fence_async_smem();  // Q (generic stores) -> tensor-core reads (tile 0 is waited for by next_tile(0))
     __syncthreads();
     bool bad = false;
     u32 bad_chunk = 0;
