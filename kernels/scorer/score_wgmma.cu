@@ -72,19 +72,23 @@ __device__ __forceinline__ void wgmma_n256(float* d, u64 desc_a, u64 desc_b, u32
         : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-__device__ __forceinline__ void wgmma_row(float* d, u64 a, u64 b, u32 acc) {
+// WG_BY_QROWS(name): name##N for the wgmma width N = FM_QROWS (every
+// (scorer, head) column of a tile in one instruction).
 #if FM_QROWS == 64
-    wgmma_n64(d, a, b, acc);
+#define WG_QROWS_N 64
 #elif FM_QROWS == 128
-    wgmma_n128(d, a, b, acc);
+#define WG_QROWS_N 128
 #elif FM_QROWS == 192
-    wgmma_n192(d, a, b, acc);
+#define WG_QROWS_N 192
 #elif FM_QROWS == 256
-    wgmma_n256(d, a, b, acc);
+#define WG_QROWS_N 256
 #else
 #error "FM_WGMMA needs FM_SCORERS * FM_HEADS in {64, 128, 192, 256}"
 #endif
-}
+#define WG_PASTE_(a, b) a##b
+#define WG_PASTE(a, b) WG_PASTE_(a, b)
+#define WG_BY_QROWS(name) WG_PASTE(name, WG_QROWS_N)
+__device__ __forceinline__ void wgmma_row(float* d, u64 a, u64 b, u32 acc) { WG_BY_QROWS(wgmma_n)(d, a, b, acc); }
 
 
 // A from registers (f16), B from shared memory (f16): the fp8-key kernel.
@@ -117,17 +121,7 @@ __device__ __forceinline__ void wgmma_rs_n256(float* d, const u32* a, u64 desc_b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
-__device__ __forceinline__ void wgmma_rs_row(float* d, const u32* a, u64 b, u32 acc) {
-#if FM_QROWS == 64
-    wgmma_rs_n64(d, a, b, acc);
-#elif FM_QROWS == 128
-    wgmma_rs_n128(d, a, b, acc);
-#elif FM_QROWS == 192
-    wgmma_rs_n192(d, a, b, acc);
-#else
-    wgmma_rs_n256(d, a, b, acc);
-#endif
-}
+__device__ __forceinline__ void wgmma_rs_row(float* d, const u32* a, u64 b, u32 acc) { WG_BY_QROWS(wgmma_rs_n)(d, a, b, acc); }
 
 #define WG_STAGES 3                        // tiles in flight per warpgroup
 #define WG_ROWS 64                         // chunks per warpgroup tile (one m64 wgmma row)
@@ -158,53 +152,54 @@ __device__ __forceinline__ void turn_pass(u32 id) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(2 * WG_GROUP_THREADS) : "memory");
 }
 
-// Starts the copy of rows [c0, c0 + WG_ROWS) by the 128 threads of a
-// warpgroup (t0 = thread index in the group): bf16 rows straight into the
-// swizzled compute layout; fp8 rows as raw bytes (converted before use).
-// Thread t0 always copies the same 16-byte column of rows t0 / per_row +
-// j * (128 / per_row), so its addresses step by a constant. Rows past n are
-// zeroed. Always commits one group (possibly empty) so counting stays uniform.
-__device__ __forceinline__ void wg_issue(const u8* keys, u32 stride, u32 n, u32 dtype, u32 t0, u32 c0, bool valid, u8* dst) {
-    if (valid && dtype == FM_KEYS_BF16) {
-        constexpr u32 PER_ROW = FM_CHUNKS16, ITEMS = WG_ROWS * PER_ROW / WG_GROUP_THREADS;
-        constexpr u32 RSTEP = WG_GROUP_THREADS / PER_ROW;
-        if constexpr (WG_GROUP_THREADS % PER_ROW == 0 && RSTEP % 8 == 0) {
-            // Rows r0 + j * RSTEP keep r % 8, so the swizzled destination
-            // steps by RSTEP * 128 bytes and the source by RSTEP rows.
-            const u32 r0 = t0 / PER_ROW, c = t0 % PER_ROW;
-            const u8* src = keys + (u64)(c0 + r0) * stride + c * 16;
-            const u64 step = (u64)RSTEP * stride;
-            const u32 d0 = smem_addr(dst + sw128(WG_ROWS, r0, c));
-            if (c0 + WG_ROWS <= n) {
+// Byte offset of 16-byte chunk c of row r in a raw fp8 tile.
+__device__ __forceinline__ u32 raw_at(u32 r, u32 c) { return r * FM_HEAD_DIM + ((c ^ raw_swz(r)) << 4); }
+
+// Starts the copy of rows [c0, c0 + WG_ROWS) of PER_ROW 16-byte chunks each
+// by the 128 threads of a warpgroup (t0 = thread index in the group) into the
+// tile at `dst`, chunk c of row r at dst + at(r, c), where at depends on r
+// only through r * ROW_BYTES and r % 8. When whole passes of the group cover
+// the rows 8k apart, thread t0 always copies the same chunk of rows
+// t0 / PER_ROW + j * RSTEP, so its source steps by RSTEP rows and its
+// destination by RSTEP * ROW_BYTES. Rows past n are zeroed. Commits nothing.
+template <u32 PER_ROW, u32 ROW_BYTES, typename At>
+__device__ __forceinline__ void wg_copy_rows(const u8* keys, u32 stride, u32 n, u32 t0, u32 c0, u8* dst, At at) {
+    constexpr u32 RSTEP = WG_GROUP_THREADS / PER_ROW, ITEMS = WG_ROWS * PER_ROW / WG_GROUP_THREADS;
+    if constexpr (WG_GROUP_THREADS % PER_ROW == 0 && RSTEP % 8 == 0) {
+        const u32 r0 = t0 / PER_ROW, c = t0 % PER_ROW;
+        const u8* src = keys + (u64)(c0 + r0) * stride + c * 16;
+        const u64 step = (u64)RSTEP * stride;
+        const u32 d0 = smem_addr(dst + at(r0, c));
+        constexpr u32 dstep = RSTEP * ROW_BYTES;
+        if (c0 + WG_ROWS <= n) {
 #pragma unroll
-                for (u32 j = 0; j < ITEMS; ++j) {
-                    cp_async16(d0 + j * RSTEP * 128u, src);
-                    src += step;
-                }
-            } else {
-                for (u32 j = 0; j < ITEMS; ++j) {
-                    if (c0 + r0 + j * RSTEP < n) cp_async16(d0 + j * RSTEP * 128u, src);
-                    else *(uint4*)(dst + sw128(WG_ROWS, r0 + j * RSTEP, c)) = make_uint4(0, 0, 0, 0);
-                    src += step;
-                }
+            for (u32 j = 0; j < ITEMS; ++j) {
+                cp_async16(d0 + j * dstep, src);
+                src += step;
             }
         } else {
-            for (u32 t = t0; t < WG_ROWS * PER_ROW; t += WG_GROUP_THREADS) {
-                const u32 r = t / PER_ROW, c = t % PER_ROW;
-                u8* d = dst + sw128(WG_ROWS, r, c);
-                if (c0 + r < n) cp_async16(smem_addr(d), keys + (u64)(c0 + r) * stride + c * 16);
-                else *(uint4*)d = make_uint4(0, 0, 0, 0);
+            for (u32 j = 0; j < ITEMS; ++j) {
+                if (c0 + r0 + j * RSTEP < n) cp_async16(d0 + j * dstep, src);
+                else *(uint4*)(dst + at(r0 + j * RSTEP, c)) = make_uint4(0, 0, 0, 0);
+                src += step;
             }
         }
-    } else if (valid && dtype == FM_KEYS_FP8_E4M3) {
-        constexpr u32 PER_ROW = FM_HEAD_DIM / 16;  // 16-byte pieces of an fp8 row
+    } else {
         for (u32 t = t0; t < WG_ROWS * PER_ROW; t += WG_GROUP_THREADS) {
             const u32 r = t / PER_ROW, c = t % PER_ROW;
-            u8* d = dst + r * FM_HEAD_DIM + ((c ^ raw_swz(r)) << 4);
+            u8* d = dst + at(r, c);
             if (c0 + r < n) cp_async16(smem_addr(d), keys + (u64)(c0 + r) * stride + c * 16);
             else *(uint4*)d = make_uint4(0, 0, 0, 0);
         }
     }
+}
+
+// One tile's copy as one cp.async group (possibly empty, so counting stays
+// uniform): bf16 rows straight into the swizzled compute layout, fp8 rows as
+// raw bytes (converted before use).
+__device__ __forceinline__ void wg_issue(const u8* keys, u32 stride, u32 n, u32 dtype, u32 t0, u32 c0, bool valid, u8* dst) {
+    if (valid && dtype == FM_KEYS_BF16) wg_copy_rows<FM_CHUNKS16, 128>(keys, stride, n, t0, c0, dst, [](u32 r, u32 c) { return sw128(WG_ROWS, r, c); });
+    else if (valid && dtype == FM_KEYS_FP8_E4M3) wg_copy_rows<FM_HEAD_DIM / 16, FM_HEAD_DIM>(keys, stride, n, t0, c0, dst, raw_at);
     cp_async_commit();
 }
 
@@ -212,7 +207,7 @@ __device__ __forceinline__ void wg_issue(const u8* keys, u32 stride, u32 n, u32 
 __device__ void wg_convert_fp8(u32 t0, const u8* raw, u8* tile) {
     for (u32 t = t0; t < WG_ROWS * FM_CHUNKS16; t += WG_GROUP_THREADS) {
         const u32 r = t / FM_CHUNKS16, c = t % FM_CHUNKS16;
-        const uint2 v = *(const uint2*)(raw + r * FM_HEAD_DIM + (((c >> 1) ^ raw_swz(r)) << 4) + (c & 1u) * 8);
+        const uint2 v = *(const uint2*)(raw + raw_at(r, c >> 1) + (c & 1u) * 8);
         const u32 w[2] = {v.x, v.y};
         u32 o[4];
 #pragma unroll

@@ -68,37 +68,15 @@ __device__ __forceinline__ void wg8_rows_score_pos(const float* d, const float* 
         [&](u32 h, float si) { return normal[h] ? si * c[h] : (si * inv) * scale[h]; }, mean, ens, finite);
 }
 
-// Starts the copy of fp8 rows [c0, c0 + WG_ROWS) into a raw tile (row r's
-// 16-byte chunk c at chunk c ^ raw_swz(r)) and of their f32 scales into `sc`,
-// by the 128 threads of a warpgroup (t0 = thread index in the group), as one
-// cp.async group: the epilogue then reads the scales from shared memory
-// instead of waiting on global loads. Thread t0 copies the same 16-byte column
-// of rows t0 / PER_ROW + j * RSTEP; RSTEP is a multiple of 8, so the swizzle
-// and both address steps are constant. Rows past n are zeroed (their scales
-// are not read). Always commits one group (possibly empty).
+// Starts the copy of fp8 rows [c0, c0 + WG_ROWS) into a raw tile (as
+// wg_issue) and of their f32 scales into `sc`, as one cp.async group: the
+// epilogue then reads the scales from shared memory instead of waiting on
+// global loads. Scales of rows past n are not copied (nor read).
 __device__ __forceinline__ void wg8_issue(const u8* keys, const float* scales, u32 stride, u32 n, u32 t0, u32 c0, bool valid, u8* dst,
                                           float* sc) {
-    constexpr u32 PER_ROW = FM_HEAD_DIM / 16, RSTEP = WG_GROUP_THREADS / PER_ROW, ITEMS = WG_ROWS / RSTEP;
-    static_assert(RSTEP % 8 == 0 && WG_ROWS % RSTEP == 0, "constant swizzle per thread");
     if (valid) {
-        const u32 r0 = t0 / PER_ROW, c = t0 % PER_ROW;
-        const u8* src = keys + (u64)(c0 + r0) * stride + c * 16;
-        const u64 gstep = (u64)RSTEP * stride;
-        u8* d0 = dst + r0 * FM_HEAD_DIM + ((c ^ raw_swz(r0)) << 4);
-        if (c0 + WG_ROWS <= n) {
-#pragma unroll
-            for (u32 j = 0; j < ITEMS; ++j) {
-                cp_async16(smem_addr(d0 + j * RSTEP * FM_HEAD_DIM), src);
-                src += gstep;
-            }
-        } else {
-            for (u32 j = 0; j < ITEMS; ++j) {
-                if (c0 + r0 + j * RSTEP < n) cp_async16(smem_addr(d0 + j * RSTEP * FM_HEAD_DIM), src);
-                else *(uint4*)(d0 + j * RSTEP * FM_HEAD_DIM) = make_uint4(0, 0, 0, 0);
-                src += gstep;
-            }
-        }
         if (t0 < WG_ROWS && c0 + t0 < n) cp_async4(smem_addr(sc + t0), scales + c0 + t0);
+        wg_copy_rows<FM_HEAD_DIM / 16, FM_HEAD_DIM>(keys, stride, n, t0, c0, dst, raw_at);
     }
     cp_async_commit();
 }
@@ -281,8 +259,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
 #pragma unroll
         for (u32 q = 0; q < WG8_SEG / 16; ++q) {
             const u32 c = (WG8_SEG / 16) * tq + q;
-            const uint4 va = *(const uint4*)(slot + ra * FM_HEAD_DIM + ((c ^ raw_swz(ra)) << 4));
-            const uint4 vb = *(const uint4*)(slot + rb * FM_HEAD_DIM + ((c ^ raw_swz(rb)) << 4));
+            const uint4 va = *(const uint4*)(slot + raw_at(ra, c));
+            const uint4 vb = *(const uint4*)(slot + raw_at(rb, c));
             const u32 wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
 #pragma unroll
             for (u32 x = 0; x < 4; ++x) {
