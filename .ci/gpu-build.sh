@@ -23,5 +23,13 @@ for line in sys.stdin:
 make -s -C ffi-tests LIBDIR="$PWD/target/release" BUILD="$PWD/.gpu/ffi" build >/dev/null 2>&1 || echo "note: ffi-tests not built"
 cp -r ffi-tests/Makefile .gpu/ffi/ 2>/dev/null || true
 cp ../shared/bench/torch_fm_baseline.py .gpu/ 2>/dev/null || echo "note: ../shared/bench/torch_fm_baseline.py not found (scorer baseline not carried)"
+# Kernel variants to compare with one build (development): FM_VARIANTS="name=rev ..."
+# writes .gpu/variants/name.cu, the scorer source at git revision rev, which
+# `gpu-run.sh variants` loads through KVSWAP_FM_SOURCE.
+for v in ${FM_VARIANTS:-}; do
+  mkdir -p .gpu/variants
+  python3 .ci/fm-source.py "${v#*=}" > ".gpu/variants/${v%%=*}.cu"
+  echo "variant: ${v%%=*} = $(git rev-parse --short "${v#*=}")"
+done
 strip --strip-debug .gpu/kvswap .gpu/libkvswap.so .gpu/tests/* 2>/dev/null || true
 du -sh .gpu

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the GPU benchmark from .gpu/ (see .ci/gpu-build.sh)
 # on a machine with an NVIDIA GPU. Logs and JSON go to $OUT (or ./gpu-out).
-#   what=tests|multi|sanitize|bench|fm|all (default all), or a profiling mode:
+#   what=tests|multi|sanitize|bench|fm|all (default all), scorer|ffi|variants
+#   (kernel development), or a profiling mode:
 #   profile|sass|ncu-detail (see README.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,37 @@ if [[ $what == scorer ]]; then
   step scorer-gpu     $T/scorer_gpu --ignored --test-threads=1
   step scorer-gpu-mma env KVSWAP_FM_KERNEL=mma $T/scorer_gpu --ignored --test-threads=1
   step scorer-gpu-fp8-convert env KVSWAP_FM_KERNEL=wgmma-convert $T/scorer_gpu --ignored --test-threads=1 cuda_scorer_matches cuda_scorer_long_call
+fi
+if [[ $what == variants ]]; then
+  # Kernel variants (.gpu/variants/*.cu, see gpu-build.sh FM_VARIANTS) beside
+  # the built-in source: the scorer's random and long-call tests, then the
+  # quick scorer benchmark, each variant in turn, twice (order effects).
+  # VARIANT_TESTS: the scorer_gpu tests each variant runs first (empty: none).
+  VARIANT_TESTS=${VARIANT_TESTS-cuda_scorer_matches cuda_scorer_long_call}
+  for v in builtin .gpu/variants/*.cu; do
+    [[ ( -f $v || $v == builtin ) && -n $VARIANT_TESTS ]] || continue
+    n=$(basename "$v" .cu); src=(); [[ $v == builtin ]] || src=(KVSWAP_FM_SOURCE=$v)
+    step "variant-$n-test" env "${src[@]}" $T/scorer_gpu --ignored --test-threads=1 $VARIANT_TESTS
+  done
+  for round in 1 2; do
+    for v in builtin .gpu/variants/*.cu; do
+      [[ -f $v || $v == builtin ]] || continue
+      n=$(basename "$v" .cu); src=(); [[ $v == builtin ]] || src=(KVSWAP_FM_SOURCE=$v)
+      step "variant-$n-bench$round" env "${src[@]}" .gpu/kvswap bench --backend cuda --scorer --quick --json "$OUT/variant-$n-$round.json"
+    done
+  done
+  python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+rows = {}
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "variant-*-[12].json"))):
+    name, rnd = os.path.basename(f)[8:-5].rsplit("-", 1)
+    for r in json.load(open(f)).get("rows", []):
+        rows.setdefault((r["scope"], r["keys"], r["chunks"]), {}).setdefault(name, []).append(r["kvswap_us"])
+names = sorted({n for v in rows.values() for n in v})
+print("scope  keys  chunks   " + "  ".join(f"{n:>22s}" for n in names))
+for key, v in sorted(rows.items()):
+    print(f"{key[0]:6s} {key[1]:5s} {key[2]:7d}  " + "  ".join(f"{' / '.join(f'{x:.1f}' for x in v.get(n, [])):>22s}" for n in names))
+PY
 fi
 if [[ $what == ffi ]]; then
   .gpu/kvswap fm init --hidden 64 --heads 16 --head-dim 64 --scorers 2 --dtype bf16 --seed 7 --out "$OUT/fm-test.safetensors" >/dev/null

@@ -304,7 +304,7 @@ impl CudaScorer {
         if let Ok(extra) = std::env::var("KVSWAP_FM_DEFINES") {
             defines.extend(extra.split_whitespace().map(String::from));
         }
-        let cubin = super::nvrtc::compile_cached_with("scorer.cu", crate::kernels::SCORER_CU, dev.cc, &defines)?;
+        let cubin = super::nvrtc::compile_cached_with("scorer.cu", &scorer_source()?, dev.cc, &defines)?;
         let module = Module::load(&cubin)?;
         // All tensors in one dtype (the stored one when they agree, else f32).
         let tensors: Vec<_> = ckpt.weight_tensors().collect();
@@ -679,6 +679,27 @@ pub struct CudaBounds {
 unsafe impl Send for CudaBounds {}
 unsafe impl Sync for CudaBounds {}
 
+/// The scorer's CUDA source: the embedded one, or (development only, to
+/// compare kernel variants with one build) the whole concatenated source read
+/// from the file `KVSWAP_FM_SOURCE` names. It is read once per process.
+fn scorer_source() -> Result<std::borrow::Cow<'static, str>> {
+    static OVERRIDE: OnceLock<std::result::Result<Option<String>, String>> = OnceLock::new();
+    let read = OVERRIDE.get_or_init(|| match std::env::var_os("KVSWAP_FM_SOURCE") {
+        None => Ok(None),
+        Some(path) => std::fs::read_to_string(&path)
+            .map(|s| {
+                log::warn!("kvswap: scorer kernels from KVSWAP_FM_SOURCE={} (development override)", path.to_string_lossy());
+                Some(s)
+            })
+            .map_err(|e| format!("KVSWAP_FM_SOURCE={}: {e}", path.to_string_lossy())),
+    });
+    match read {
+        Ok(Some(s)) => Ok(std::borrow::Cow::Owned(s.clone())),
+        Ok(None) => Ok(std::borrow::Cow::Borrowed(crate::kernels::SCORER_CU)),
+        Err(e) => Err(Error::invalid(e.clone())),
+    }
+}
+
 impl CudaBounds {
     /// The bounds scorer of `device`, created once per process.
     pub fn get(device: i32, sync: bool) -> Result<Arc<CudaBounds>> {
@@ -690,7 +711,7 @@ impl CudaBounds {
         }
         let dev = open_device(device)?;
         let _g = dev.bind()?;
-        let cubin = super::nvrtc::compile_cached("scorer.cu", crate::kernels::SCORER_CU, dev.cc)?;
+        let cubin = super::nvrtc::compile_cached("scorer.cu", &scorer_source()?, dev.cc)?;
         let module = Module::load(&cubin)?;
         let bounds = module.function(c"fm_bounds_score")?;
         let select = Selection::new(&module)?;
