@@ -30,6 +30,13 @@ __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)two));
     return h2;
 }
+// The upper two bytes of `four`: their 16-bit half goes to cvt as it is, so
+// ptxas reads it with a .H1 operand selector instead of shifting it down first.
+__device__ __forceinline__ u32 e4m3x2_hi_to_f16x2(u32 four) {
+    u32 h2;
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(h2) : "r"(four));
+    return h2;
+}
 
 // The head weights of n-tile j's two columns of this thread, from shared memory.
 __device__ __forceinline__ float2 sh_weights(const float* sh_w, u32 lane, u32 j) { return *(const float2*)(sh_w + j * 8 + 2 * (lane & 3u)); }
@@ -267,8 +274,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
                 const u32 ks = 4 * q + x;
                 a[ks][0] = e4m3x2_to_f16x2(wa[x]);        // row ra, k 2t, 2t + 1
                 a[ks][1] = e4m3x2_to_f16x2(wb[x]);        // row rb
-                a[ks][2] = e4m3x2_to_f16x2(wa[x] >> 16);  // row ra, k 2t + 8, 2t + 9
-                a[ks][3] = e4m3x2_to_f16x2(wb[x] >> 16);  // row rb
+                a[ks][2] = e4m3x2_hi_to_f16x2(wa[x]);     // row ra, k 2t + 8, 2t + 9
+                a[ks][3] = e4m3x2_hi_to_f16x2(wb[x]);     // row rb
             }
         }
         TR(5);
