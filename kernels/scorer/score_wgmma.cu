@@ -225,13 +225,10 @@ __device__ void wg_stage_f32(const u8* keys, u32 stride, u32 n, u32 t0, u32 c0, 
     }
 }
 
-// The tiles of warpgroup g of this block: g * gridDim.x + blockIdx.x, then
+// The tiles of warpgroup g of this block: WG_GROUPS * blockIdx.x + g, then
 // every WG_GROUPS * gridDim.x (`step`); counts never grow with g and differ
-// by at most 1. Numbering the warpgroups g-major spreads the warpgroups with
-// one tile more over the blocks (at most one more per block while there are
-// no more such warpgroups than blocks), so no SM runs more than
-// ceil(tiles / blocks) tiles. After its turn i, a warpgroup passes the turn
-// on only while i < next_turns, so no barrier is left half-arrived.
+// by at most 1. After its turn i, a warpgroup passes the turn on only while
+// i < next_turns, so no barrier is left half-arrived.
 struct WgTiles {
     u32 step, first, mine, next, next_turns, first_turns;
 };
@@ -239,12 +236,12 @@ __device__ __forceinline__ WgTiles wg_tiles(u32 n, u32 g) {
     const u32 tiles = (n + WG_ROWS - 1) / WG_ROWS;
     const u32 step = WG_GROUPS * gridDim.x;
     auto count = [&](u32 h) -> u32 {
-        const u32 f = h * gridDim.x + blockIdx.x;
+        const u32 f = WG_GROUPS * blockIdx.x + h;
         return f < tiles ? (tiles - f + step - 1) / step : 0u;
     };
     WgTiles t;
     t.step = step;
-    t.first = g * gridDim.x + blockIdx.x;
+    t.first = WG_GROUPS * blockIdx.x + g;
     t.mine = count(g);
     t.next = g + 1 < WG_GROUPS ? g + 1 : 0u;
     t.first_turns = count(0);
