@@ -216,7 +216,10 @@ typedef uint32_t FmKeyDtype;
 // of `head_dim` elements (`dim` for `fm_bounds_build`). On the CUDA backend
 // `data` and `scales` are device pointers; on the CPU, host pointers.
 typedef struct FmKeys {
-  // Row 0 of the keys, aligned to the element size.
+  // Row 0 of the keys, aligned to the element size. The CUDA scorer
+  // (`fm_score_topk`, `fm_score_topk_batch`) reads rows 16 bytes at a
+  // time: there `data` and a non-zero `row_stride_bytes` must be
+  // multiples of 16.
   const void *data;
   // `FM_KEYS_FP8_E4M3` only: one f32 scale per row (key = fp8 x scale).
   // Ignored for the other types (may be NULL).

@@ -340,6 +340,44 @@ fn cuda_scorer_adversarial_inputs() {
 
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_scorer_refuses_keys_not_16_byte_aligned() {
+    // The kernels copy key rows 16 bytes at a time, fp8 rows included: keys
+    // 8 bytes off (data or row stride) are refused before any launch, and
+    // the scorer keeps working.
+    let mut rng = Rng::fresh("scorer gpu alignment");
+    let d = Dev::new();
+    let (s, h, dim, hid) = (2u32, 64u32, 64u32, 256u32);
+    let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
+    let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
+    let hidden: Vec<f32> = (0..(s * hid) as usize).map(|_| gauss(&mut rng)).collect();
+    let hbuf = d.upload(&f32_bytes(&hidden));
+    let out = d.upload(&[0u8; 4 * 16]);
+    for dtype in [KeyDtype::Fp8E4m3, KeyDtype::Bf16] {
+        let keys = HostKeys::random(&mut rng, dtype, 300, dim as usize, 1.0);
+        let row = dim as usize * dtype.size();
+        // One buffer with room for an 8-byte offset and rows 8 bytes apart.
+        let kb = d.upload(&vec![0u8; 8 + 300 * (row + 16)]);
+        let sc = d.upload(&f32_bytes(&vec![1.0f32; 300]));
+        let scales = if dtype == KeyDtype::Fp8E4m3 { sc.ptr } else { 0 };
+        for (offset, stride) in [(8u64, 0usize), (0, row + 8)] {
+            let seq = SeqRef {
+                hidden: hbuf.ptr,
+                keys: KeysRef { data: kb.ptr + offset, scales, row_stride: stride, dtype },
+                n_chunks: 300,
+                out: out.ptr,
+            };
+            let e = unsafe { scorer.score_topk(&seq, 16, d.stream.0 as u64) }.unwrap_err();
+            assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
+            assert!(e.message.contains("16-byte aligned"), "{dtype:?} offset {offset} stride {stride}: {e}");
+        }
+        let got = gpu_topk(&d, &scorer, &hidden, &keys, 16).unwrap();
+        let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
+        check_topk(&got, &scores, &tol, 16, "aligned keys after the refusals");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn cuda_batch_equals_single_calls() {
     let mut rng = Rng::fresh("scorer gpu batch");
     let d = Dev::new();

@@ -31,7 +31,10 @@ pub struct FmScorer {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct FmKeys {
-    /// Row 0 of the keys, aligned to the element size.
+    /// Row 0 of the keys, aligned to the element size. The CUDA scorer
+    /// (`fm_score_topk`, `fm_score_topk_batch`) reads rows 16 bytes at a
+    /// time: there `data` and a non-zero `row_stride_bytes` must be
+    /// multiples of 16.
     pub data: *const c_void,
     /// `FM_KEYS_FP8_E4M3` only: one f32 scale per row (key = fp8 x scale).
     /// Ignored for the other types (may be NULL).
