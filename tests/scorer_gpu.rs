@@ -373,6 +373,30 @@ fn cuda_scorer_refuses_keys_not_16_byte_aligned() {
         let got = gpu_topk(&d, &scorer, &hidden, &keys, 16).unwrap();
         let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
         check_topk(&got, &scores, &tol, 16, "aligned keys after the refusals");
+        // Rows 16 bytes apart beyond the row, and (fp8) scales 4 bytes off a
+        // 16-byte boundary: allowed, and the fp8 kernel then copies with
+        // cp.async instead of bulk copies.
+        let stride = row + 16;
+        let mut padded = vec![0xffu8; 300 * stride];
+        for r in 0..300 {
+            padded[r * stride..r * stride + row].copy_from_slice(&keys.bytes[r * row..(r + 1) * row]);
+        }
+        let mut sc_bytes = vec![0u8; 4];
+        sc_bytes.extend(f32_bytes(&keys.scales));
+        let sc = d.upload(&sc_bytes);
+        let out = d.upload(&[0u8; 4 * 64]);
+        for (row_stride, scales) in [(stride, sc.ptr + 4), (0, sc.ptr + 4)] {
+            let data = d.upload(if row_stride == 0 { &keys.bytes } else { &padded });
+            let seq = SeqRef {
+                hidden: hbuf.ptr,
+                keys: KeysRef { data: data.ptr, scales: if dtype == KeyDtype::Fp8E4m3 { scales } else { 0 }, row_stride, dtype },
+                n_chunks: 300,
+                out: out.ptr,
+            };
+            unsafe { scorer.score_topk(&seq, 64, d.stream.0 as u64) }.unwrap();
+            let got = d.download_i32(&out, 64);
+            check_topk(&got, &scores, &tol, 64, &format!("{dtype:?}: row stride {row_stride}, scales 4 bytes off 16"));
+        }
     }
 }
 
