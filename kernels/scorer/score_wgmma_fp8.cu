@@ -38,25 +38,8 @@ __device__ __forceinline__ u32 e4m3x2_hi_to_f16x2(u32 four) {
     return h2;
 }
 
-// The head weights in shared memory, one row per quad lane t: for every
-// n-tile j, the weights of columns 8j + 2t and 8j + 2t + 1, so the n-tiles j
-// and j + 1 (j even) of a thread are one 16-byte load. The 4-float padding
-// puts the four rows' 16-byte loads in different banks.
-#define WG8_WSTRIDE (FM_QROWS / 4 + 4)
-__device__ __forceinline__ u32 wg8_w_at(u32 col) { return ((col & 7u) >> 1) * WG8_WSTRIDE + (col >> 3) * 2 + (col & 1u); }
-// The weights of n-tile j's two columns of this thread, for head_sums: loads
-// tiles j, j + 1 at even j and serves odd j from that load, so calls must come
-// in increasing j with every odd j preceded by j - 1 (as head_sums makes them;
-// the unrolled loops make the test on j compile-time).
-struct Wg8Weights {
-    const float* row;
-    float4 pair;
-    __device__ __forceinline__ Wg8Weights(const float* sh_w, u32 lane) : row(sh_w + (lane & 3u) * WG8_WSTRIDE) {}
-    __device__ __forceinline__ float2 operator()(u32 j) {
-        if ((j & 1u) == 0) pair = *(const float4*)(row + 2 * j);
-        return (j & 1u) ? make_float2(pair.z, pair.w) : make_float2(pair.x, pair.y);
-    }
-};
+// The head weights of n-tile j's two columns of this thread, from shared memory.
+__device__ __forceinline__ float2 sh_weights(const float* sh_w, u32 lane, u32 j) { return *(const float2*)(sh_w + j * 8 + 2 * (lane & 3u)); }
 
 // One row, any scale: x = d * c (MODE 1) or (d * inv) * scale (MODE 2) per
 // accumulator, then the ensemble as wg_row_score.
@@ -66,7 +49,7 @@ __device__ __forceinline__ float wg8_row_score(const float* d, u32 half, const f
     finite = isfinite(d[2 * half]) && isfinite(scale);
     float ens;
     head_sums<1>(
-        d, half, Wg8Weights(sh_w, lane),
+        d, half, [&](u32 j) { return sh_weights(sh_w, lane, j); },
         [&](u32, float a) { return MODE == 1 ? a * c : (a * inv) * scale; }, no_post, mean, &ens, &finite);
     return ens;
 }
@@ -88,7 +71,7 @@ __device__ __forceinline__ void wg8_rows_score_pos(const float* d, const float* 
         finite[h] = isfinite(d[2 * h]);
     }
     head_sums<2>(
-        d, 0, Wg8Weights(sh_w, lane), [](u32, float a) { return a; },
+        d, 0, [&](u32 j) { return sh_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
         [&](u32 h, float si) { return normal[h] ? si * c[h] : (si * inv) * scale[h]; }, mean, ens, finite);
 }
 
@@ -153,7 +136,7 @@ __device__ __forceinline__ void fm_trace_report() {
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(ScoreBatch B, u32* err) {
     extern __shared__ u8 wg_smem_raw[];
     __shared__ __align__(16) u32 sh_hist[FM_HIST];
-    __shared__ __align__(16) float sh_w[4 * WG8_WSTRIDE];  // layout: wg8_w_at
+    __shared__ float sh_w[FM_QROWS];
     __shared__ u32 sh_max[WG_THREADS / 32];
 #ifdef FM_TRACE
     __shared__ u32 sh_tr[WG_THREADS / 32][TR_PHASES];  // lane 0 of each warp zeroes and sums its own row
@@ -202,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
         qmax = max(qmax, max(max(qv[j].x & 0x7fffu, (qv[j].x >> 16) & 0x7fffu), max(qv[j].y & 0x7fffu, (qv[j].y >> 16) & 0x7fffu)));
     }
     for (u32 i = threadIdx.x; i < FM_HIST; i += WG_THREADS) sh_hist[i] = 0;
-    for (u32 i = threadIdx.x; i < FM_QROWS; i += WG_THREADS) sh_w[wg8_w_at(i)] = S.w[i];
+    for (u32 i = threadIdx.x; i < FM_QROWS; i += WG_THREADS) sh_w[i] = S.w[i];
     qmax = __reduce_max_sync(KVS_FULL_MASK, qmax);
     if (lane == 0) sh_max[warp] = qmax;
     __syncthreads();

@@ -353,9 +353,9 @@ impl CudaScorer {
             (k, score_smem, 64u32, 32 * score_warps(s, h))
         };
         // fm_score_wg_fp8 exists for head_dim 64 and 128; its static shared
-        // memory adds the head weights (4 padded rows) and a reduction scratch
+        // memory adds the head weights and a reduction scratch
         // (KVSWAP_FM_KERNEL=wgmma-convert keeps fp8 keys on fm_score_wg).
-        let score_fp8 = if wgmma && (d == 64 || d == 128) && forced != "wgmma-convert" && (wg_smem_total + (s * h + 16) * 4 + 64) as i32 <= dev.smem_optin {
+        let score_fp8 = if wgmma && (d == 64 || d == 128) && forced != "wgmma-convert" && (wg_smem_total + s * h * 4 + 64) as i32 <= dev.smem_optin {
             let k = f("fm_score_wg_fp8".into())?;
             k.set_max_dynamic_smem(wg_smem as i32)?;
             Some(k)
