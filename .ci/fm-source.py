@@ -6,7 +6,12 @@ compare kernel variants with one build; see .ci/gpu-build.sh FM_VARIANTS)."""
 import re, subprocess, sys
 
 rev = sys.argv[1] if len(sys.argv) > 1 else "HEAD"
-show = lambda path: subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True, text=True).stdout
+def show(path):
+    r = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"fm-source.py: git show {rev}:{path}: {r.stderr.strip()}")
+    return r.stdout
+
 kernels_rs = show("src/kernels.rs")
 block = re.search(r"pub const SCORER_CU: &str = concat!\((.*?)\);", kernels_rs, re.S)
 if not block:

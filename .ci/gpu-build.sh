@@ -27,6 +27,7 @@ cp ../shared/bench/torch_fm_baseline.py .gpu/ 2>/dev/null || echo "note: ../shar
 # writes .gpu/variants/name.cu, the scorer source at git revision rev, which
 # `gpu-run.sh variants` loads through KVSWAP_FM_SOURCE.
 for v in ${FM_VARIANTS:-}; do
+  [[ ${v%%=*} != builtin ]] || { echo "FM_VARIANTS: 'builtin' names the embedded kernels; pick another name" >&2; exit 1; }
   mkdir -p .gpu/variants
   python3 .ci/fm-source.py "${v#*=}" > ".gpu/variants/${v%%=*}.cu"
   echo "variant: ${v%%=*} = $(git rev-parse --short "${v#*=}")"

@@ -28,15 +28,16 @@ if [[ $what == variants ]]; then
   # quick scorer benchmark, each variant in turn, twice (order effects).
   # VARIANT_TESTS: the scorer_gpu tests each variant runs first (empty: none).
   VARIANT_TESTS=${VARIANT_TESTS-cuda_scorer_matches cuda_scorer_long_call}
+  rm -f "$OUT"/variant-*.json  # the table below reads this run's results only
   for v in builtin .gpu/variants/*.cu; do
     [[ ( -f $v || $v == builtin ) && -n $VARIANT_TESTS ]] || continue
-    n=$(basename "$v" .cu); src=(); [[ $v == builtin ]] || src=(KVSWAP_FM_SOURCE=$v)
+    n=$(basename "$v" .cu); src=(); [[ $v == builtin ]] || src=("KVSWAP_FM_SOURCE=$v")
     step "variant-$n-test" env "${src[@]}" $T/scorer_gpu --ignored --test-threads=1 $VARIANT_TESTS
   done
   for round in 1 2; do
     for v in builtin .gpu/variants/*.cu; do
       [[ -f $v || $v == builtin ]] || continue
-      n=$(basename "$v" .cu); src=(); [[ $v == builtin ]] || src=(KVSWAP_FM_SOURCE=$v)
+      n=$(basename "$v" .cu); src=(); [[ $v == builtin ]] || src=("KVSWAP_FM_SOURCE=$v")
       step "variant-$n-bench$round" env "${src[@]}" .gpu/kvswap bench --backend cuda --scorer --quick --json "$OUT/variant-$n-$round.json"
     done
   done

@@ -373,9 +373,10 @@ fn cuda_scorer_refuses_keys_not_16_byte_aligned() {
         let got = gpu_topk(&d, &scorer, &hidden, &keys, 16).unwrap();
         let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
         check_topk(&got, &scores, &tol, 16, "aligned keys after the refusals");
-        // Rows 16 bytes apart beyond the row, and (fp8) scales 4 bytes off a
-        // 16-byte boundary: allowed, and the fp8 kernel then copies with
-        // cp.async instead of bulk copies.
+        // A row stride 16 bytes past the row, and (fp8) scales 4 bytes off a
+        // 16-byte boundary: both allowed, and scored as the reference does
+        // (the 0xff padding bytes are NaN in fp8, so reading a wrong stride
+        // would show).
         let stride = row + 16;
         let mut padded = vec![0xffu8; 300 * stride];
         for r in 0..300 {

@@ -680,10 +680,11 @@ unsafe impl Sync for CudaBounds {}
 
 /// The scorer's CUDA source: the embedded one, or (development only, to
 /// compare kernel variants with one build) the whole concatenated source read
-/// from the file `KVSWAP_FM_SOURCE` names. It is read once per process.
+/// from the file `KVSWAP_FM_SOURCE` names (unset or empty: the embedded
+/// one). It is read once per process.
 fn scorer_source() -> Result<std::borrow::Cow<'static, str>> {
     static OVERRIDE: OnceLock<std::result::Result<Option<String>, String>> = OnceLock::new();
-    let read = OVERRIDE.get_or_init(|| match std::env::var_os("KVSWAP_FM_SOURCE") {
+    let read = OVERRIDE.get_or_init(|| match std::env::var_os("KVSWAP_FM_SOURCE").filter(|p| !p.is_empty()) {
         None => Ok(None),
         Some(path) => std::fs::read_to_string(&path)
             .map(|s| {
@@ -693,7 +694,7 @@ fn scorer_source() -> Result<std::borrow::Cow<'static, str>> {
             .map_err(|e| format!("KVSWAP_FM_SOURCE={}: {e}", path.to_string_lossy())),
     });
     match read {
-        Ok(Some(s)) => Ok(std::borrow::Cow::Owned(s.clone())),
+        Ok(Some(s)) => Ok(std::borrow::Cow::Borrowed(s.as_str())),
         Ok(None) => Ok(std::borrow::Cow::Borrowed(crate::kernels::SCORER_CU)),
         Err(e) => Err(Error::invalid(e.clone())),
     }
