@@ -29,16 +29,20 @@ if [[ $what == variants ]]; then
   # VARIANT_TESTS: the scorer_gpu tests each variant runs first (empty: none).
   VARIANT_TESTS=${VARIANT_TESTS-cuda_scorer_matches cuda_scorer_long_call}
   rm -f "$OUT"/variant-*.json  # the table below reads this run's results only
-  for v in builtin .gpu/variants/*.cu; do
-    [[ ( -f $v || $v == builtin ) && -n $VARIANT_TESTS ]] || continue
-    n=$(basename "$v" .cu); src=(); [[ $v == builtin ]] || src=("KVSWAP_FM_SOURCE=$v")
-    step "variant-$n-test" env "${src[@]}" $T/scorer_gpu --ignored --test-threads=1 $VARIANT_TESTS
-  done
+  # The variants: builtin, then each source file; `with_source V cmd...`
+  # runs cmd with variant V's kernels.
+  variants=(builtin)
+  for v in .gpu/variants/*.cu; do [[ -f $v ]] && variants+=("$v"); done
+  with_source() { local v=$1; shift; if [[ $v == builtin ]]; then "$@"; else KVSWAP_FM_SOURCE=$v "$@"; fi; }
+  if [[ -n $VARIANT_TESTS ]]; then
+    for v in "${variants[@]}"; do
+      step "variant-$(basename "$v" .cu)-test" with_source "$v" $T/scorer_gpu --ignored --test-threads=1 $VARIANT_TESTS
+    done
+  fi
   for round in 1 2; do
-    for v in builtin .gpu/variants/*.cu; do
-      [[ -f $v || $v == builtin ]] || continue
-      n=$(basename "$v" .cu); src=(); [[ $v == builtin ]] || src=("KVSWAP_FM_SOURCE=$v")
-      step "variant-$n-bench$round" env "${src[@]}" .gpu/kvswap bench --backend cuda --scorer --quick --json "$OUT/variant-$n-$round.json"
+    for v in "${variants[@]}"; do
+      n=$(basename "$v" .cu)
+      step "variant-$n-bench$round" with_source "$v" .gpu/kvswap bench --backend cuda --scorer --quick --json "$OUT/variant-$n-$round.json"
     done
   done
   python3 - "$OUT" <<'PY'

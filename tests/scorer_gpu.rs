@@ -109,15 +109,57 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+/// Where the keys of a call sit on the device: the row stride (0: dense)
+/// and the byte offsets of row 0 and of the scales from the start of their
+/// (256-byte aligned) buffers.
+#[derive(Clone, Copy, Default, Debug)]
+struct Layout {
+    row_stride: usize,
+    data_offset: usize,
+    scales_offset: usize,
+}
+
+/// A checkpoint with bf16 weights, its CUDA scorer on device 0, and a
+/// random hidden state for it.
+fn bf16_scorer(rng: &mut Rng, scorers: u32, heads: u32, head_dim: u32, hidden: u32) -> (Arc<Checkpoint>, Scorer, Vec<f32>) {
+    let ckpt = checkpoint(rng, scorers, heads, head_dim, hidden, WeightDtype::Bf16);
+    let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
+    (ckpt, scorer, random_hidden(rng, scorers, hidden))
+}
+
+fn random_hidden(rng: &mut Rng, scorers: u32, hidden: u32) -> Vec<f32> {
+    (0..(scorers * hidden) as usize).map(|_| gauss(rng)).collect()
+}
+
 /// Runs the CUDA scorer on one sequence; returns its k outputs (or the error).
 fn gpu_topk(d: &Dev, scorer: &Scorer, hidden: &[f32], keys: &HostKeys, k: u32) -> kvswap::Result<Vec<i32>> {
+    gpu_topk_in(d, scorer, hidden, keys, k, Layout::default())
+}
+
+/// `gpu_topk` with the keys laid out as `lay` says; the bytes between rows
+/// are 0xff (NaN in fp8), so a kernel reading the wrong stride shows.
+fn gpu_topk_in(d: &Dev, scorer: &Scorer, hidden: &[f32], keys: &HostKeys, k: u32, lay: Layout) -> kvswap::Result<Vec<i32>> {
+    let row = keys.dim * keys.dtype.size();
+    let stride = if lay.row_stride == 0 { row } else { lay.row_stride };
+    let mut rows = vec![0xffu8; lay.data_offset + keys.n.saturating_sub(1) * stride + row];
+    for r in 0..keys.n {
+        let at = lay.data_offset + r * stride;
+        rows[at..at + row].copy_from_slice(&keys.bytes[r * row..(r + 1) * row]);
+    }
+    let mut scales = vec![0u8; lay.scales_offset];
+    scales.extend(f32_bytes(&keys.scales));
     let h = d.upload(&f32_bytes(hidden));
-    let kb = d.upload(&keys.bytes);
-    let sc = d.upload(&f32_bytes(&keys.scales));
+    let kb = d.upload(&rows);
+    let sc = d.upload(&scales);
     let out = d.upload(&vec![0x5au8; 4 * k as usize]); // poisoned
     let seq = SeqRef {
         hidden: h.ptr,
-        keys: KeysRef { data: kb.ptr, scales: if keys.scales.is_empty() { 0 } else { sc.ptr }, row_stride: 0, dtype: keys.dtype },
+        keys: KeysRef {
+            data: kb.ptr + lay.data_offset as u64,
+            scales: if keys.scales.is_empty() { 0 } else { sc.ptr + lay.scales_offset as u64 },
+            row_stride: lay.row_stride,
+            dtype: keys.dtype,
+        },
         n_chunks: keys.n,
         out: out.ptr,
     };
@@ -237,7 +279,7 @@ fn cuda_scorer_long_call_matches_reference() {
             // 132 SMs x 3 warpgroups x 64 rows = 25,344 chunks per round: 4 to 6 rounds.
             let n = 110_000 + rng.below(40_000) as usize;
             let k = 512u32;
-            let hidden: Vec<f32> = (0..(s * hid) as usize).map(|_| gauss(&mut rng)).collect();
+            let hidden = random_hidden(&mut rng, s, hid);
             let mut keys = HostKeys::random(&mut rng, dtype, n, dim as usize, 1.0);
             for sc in keys.scales.iter_mut() {
                 match rng.below(20) {
@@ -259,9 +301,7 @@ fn cuda_scorer_adversarial_inputs() {
     let mut rng = Rng::fresh("scorer gpu adversarial");
     let d = Dev::new();
     let (s, h, dim, hid) = (3u32, 64u32, 128u32, 512u32);
-    let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
-    let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
-    let hidden: Vec<f32> = (0..(s * hid) as usize).map(|_| gauss(&mut rng)).collect();
+    let (ckpt, scorer, hidden) = bf16_scorer(&mut rng, s, h, dim, hid);
     // All keys equal: every score equal, the top-k is ids 0..k-1 exactly.
     let row: Vec<f32> = (0..dim).map(|_| gauss(&mut rng)).collect();
     let vals: Vec<f32> = (0..5000).flat_map(|_| row.clone()).collect();
@@ -346,57 +386,23 @@ fn cuda_scorer_refuses_keys_not_16_byte_aligned() {
     // the scorer keeps working.
     let mut rng = Rng::fresh("scorer gpu alignment");
     let d = Dev::new();
-    let (s, h, dim, hid) = (2u32, 64u32, 64u32, 256u32);
-    let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
-    let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
-    let hidden: Vec<f32> = (0..(s * hid) as usize).map(|_| gauss(&mut rng)).collect();
-    let hbuf = d.upload(&f32_bytes(&hidden));
-    let out = d.upload(&[0u8; 4 * 16]);
+    let (ckpt, scorer, hidden) = bf16_scorer(&mut rng, 2, 64, 64, 256);
     for dtype in [KeyDtype::Fp8E4m3, KeyDtype::Bf16] {
-        let keys = HostKeys::random(&mut rng, dtype, 300, dim as usize, 1.0);
-        let row = dim as usize * dtype.size();
-        // One buffer with room for an 8-byte offset and rows 8 bytes apart.
-        let kb = d.upload(&vec![0u8; 8 + 300 * (row + 16)]);
-        let sc = d.upload(&f32_bytes(&vec![1.0f32; 300]));
-        let scales = if dtype == KeyDtype::Fp8E4m3 { sc.ptr } else { 0 };
-        for (offset, stride) in [(8u64, 0usize), (0, row + 8)] {
-            let seq = SeqRef {
-                hidden: hbuf.ptr,
-                keys: KeysRef { data: kb.ptr + offset, scales, row_stride: stride, dtype },
-                n_chunks: 300,
-                out: out.ptr,
-            };
-            let e = unsafe { scorer.score_topk(&seq, 16, d.stream.0 as u64) }.unwrap_err();
+        let keys = HostKeys::random(&mut rng, dtype, 300, 64, 1.0);
+        let row = 64 * dtype.size();
+        for lay in [Layout { data_offset: 8, ..Layout::default() }, Layout { row_stride: row + 8, ..Layout::default() }] {
+            let e = gpu_topk_in(&d, &scorer, &hidden, &keys, 16, lay).unwrap_err();
             assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
-            assert!(e.message.contains("16-byte aligned"), "{dtype:?} offset {offset} stride {stride}: {e}");
+            assert!(e.message.contains("16-byte aligned"), "{dtype:?} {lay:?}: {e}");
         }
-        let got = gpu_topk(&d, &scorer, &hidden, &keys, 16).unwrap();
         let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
+        let got = gpu_topk(&d, &scorer, &hidden, &keys, 16).unwrap();
         check_topk(&got, &scores, &tol, 16, "aligned keys after the refusals");
         // A row stride 16 bytes past the row, and (fp8) scales 4 bytes off a
-        // 16-byte boundary: both allowed, and scored as the reference does
-        // (the 0xff padding bytes are NaN in fp8, so reading a wrong stride
-        // would show).
-        let stride = row + 16;
-        let mut padded = vec![0xffu8; 300 * stride];
-        for r in 0..300 {
-            padded[r * stride..r * stride + row].copy_from_slice(&keys.bytes[r * row..(r + 1) * row]);
-        }
-        let mut sc_bytes = vec![0u8; 4];
-        sc_bytes.extend(f32_bytes(&keys.scales));
-        let sc = d.upload(&sc_bytes);
-        let out = d.upload(&[0u8; 4 * 64]);
-        for (row_stride, scales) in [(stride, sc.ptr + 4), (0, sc.ptr + 4)] {
-            let data = d.upload(if row_stride == 0 { &keys.bytes } else { &padded });
-            let seq = SeqRef {
-                hidden: hbuf.ptr,
-                keys: KeysRef { data: data.ptr, scales: if dtype == KeyDtype::Fp8E4m3 { scales } else { 0 }, row_stride, dtype },
-                n_chunks: 300,
-                out: out.ptr,
-            };
-            unsafe { scorer.score_topk(&seq, 64, d.stream.0 as u64) }.unwrap();
-            let got = d.download_i32(&out, 64);
-            check_topk(&got, &scores, &tol, 64, &format!("{dtype:?}: row stride {row_stride}, scales 4 bytes off 16"));
+        // 16-byte boundary: both allowed, and scored as the reference does.
+        for lay in [Layout { row_stride: row + 16, scales_offset: 4, ..Layout::default() }, Layout { scales_offset: 4, ..Layout::default() }] {
+            let got = gpu_topk_in(&d, &scorer, &hidden, &keys, 64, lay).unwrap();
+            check_topk(&got, &scores, &tol, 64, &format!("{dtype:?}: {lay:?}"));
         }
     }
 }
@@ -415,7 +421,7 @@ fn cuda_batch_equals_single_calls() {
         let mut keep = Vec::new();
         let mut singles = Vec::new();
         for i in 0..b {
-            let hidden: Vec<f32> = (0..(s * hid) as usize).map(|_| gauss(&mut rng)).collect();
+            let hidden = random_hidden(&mut rng, s, hid);
             let dt = [KeyDtype::Bf16, KeyDtype::Fp8E4m3][i % 2];
             let n = 500 + rng.below(3000) as usize;
             let keys = HostKeys::random(&mut rng, dt, n, dim as usize, 1.0);
