@@ -1307,6 +1307,10 @@ static void test_guards(void) {
         CHECK_ERR(kvswap_swap_in_selected(ctx, 0, d_dummy, 0, UINT32_MAX, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "count=");
         CHECK_ERR(kvswap_swap_in_selected(ctx, 0, d_dummy, UINT32_MAX, 1, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "window_len");
         CHECK_ERR(kvswap_swap_in_selected(ctx, 0, d_dummy, (uint32_t)INT32_MAX - 2, 0, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "window_len");
+        /* indices not 4-byte aligned: refused before any access. */
+        int32_t *d_odd = (int32_t *)((uintptr_t)d_dummy + 1);
+        CHECK_ERR(kvswap_swap_in_selected(ctx, 0, d_odd, 0, 1, cur_stream()), KVSWAP_STATUS_INVALID_ARGUMENT, "aligned");
+        CHECK_MSG("indices");
         same_snapshot_at(__LINE__, ctx, &before);
         dm_sync();
         dm_download(&dummy, d_dummy, sizeof dummy);
@@ -1315,7 +1319,7 @@ static void test_guards(void) {
         probe_lru(&L, 3);
     }
     check_stats(&L1);
-    group_done("swap_in guards: NULL ctx/indices, layer, ids <0 and >=cap, count > gpu_chunks, NOT_STORED; state unchanged, LRU order intact");
+    group_done("swap_in guards: NULL ctx/indices, misaligned indices, layer, ids <0 and >=cap, count > gpu_chunks, NOT_STORED; state unchanged, LRU order intact");
 
     /* ---- store / store_batch guards ---- */
     uint8_t chunk[32];
@@ -1349,6 +1353,8 @@ static void test_guards(void) {
     int32_t ids_neg[2] = {13, -7};
     CHECK_ERR(kvswap_store_batch(ctx, 0, ids_neg, 2, drows, 32, S), KVSWAP_STATUS_OUT_OF_RANGE, "-7");
     CHECK_ERR(kvswap_store_batch(ctx, 0, ids_bad, 2, drows, 16, S), KVSWAP_STATUS_INVALID_ARGUMENT, "src_stride");
+    CHECK_ERR(kvswap_store_batch(ctx, 0, (const int32_t *)((uintptr_t)ids_bad + 2), 1, drows, 0, S), KVSWAP_STATUS_INVALID_ARGUMENT, "aligned");
+    CHECK_MSG("ids");
     same_snapshot_at(__LINE__, ctx, &before);
     check_staged(&L); /* the resident chunk still holds its old bytes */
     {
@@ -1361,7 +1367,7 @@ static void test_guards(void) {
     same_snapshot_at(__LINE__, ctx, &before);
     probe_lru(&L, 5);
     check_stats(&L1);
-    group_done("store / store_batch guards: NULLs, n 0, layer, ids, src_stride; nothing stored, slots not refreshed");
+    group_done("store / store_batch guards: NULLs, misaligned ids, n 0, layer, ids, src_stride; nothing stored, slots not refreshed");
 
     /* ---- stats / staging / sync / info guards: out-parameters untouched ---- */
     before = snapshot_at(__LINE__, ctx, 2);
@@ -1402,7 +1408,7 @@ static void test_guards(void) {
     check_stats(&L);
     check_stats(&L1);
     kvswap_destroy(ctx);
-    group_done("layer_stats / layer_staging / sync / context_info guards; out-parameters untouched");
+    group_done("layer_stats / layer_staging / sync guards; out-parameters untouched (context_info guards: in the create, destroy group)");
 }
 
 /* ---- asynchronous mode ---- */

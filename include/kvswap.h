@@ -14,9 +14,6 @@
 #include <stdint.h>
 
 
-// Sequences per launch (`FM_MAX_BATCH` in kernels/scorer/project.cu).
-#define MAX_BATCH 64
-
 // Longest checkpoint path (including the terminating NUL) a `KvswapConfig` holds.
 #define KVSWAP_PATH_MAX 4096
 
@@ -135,7 +132,8 @@ typedef struct KvswapLayerSpec {
 } KvswapLayerSpec;
 
 // An engine stream: a `CUstream` on the CUDA backend (NULL is refused there:
-// kvswap never uses the legacy default stream); ignored on the CPU backend.
+// kvswap never uses the legacy default stream; `kvswap_sync` alone takes
+// NULL, see there); ignored on the CPU backend.
 typedef void *KvswapStream;
 
 // Counters of one layer since the context was created.
@@ -349,7 +347,8 @@ enum KvswapStatus kvswap_layer_staging(struct KvswapContext *ctx,
 // Waits for the context's outstanding device work and returns the first
 // error an asynchronous call recorded since the last synchronising call
 // (clearing it). `stream` is the engine stream the work was issued on
-// (ignored on the CPU backend).
+// (ignored on the CPU backend); NULL waits for kvswap's own streams only,
+// not for work the engine queued on its streams.
 enum KvswapStatus kvswap_sync(struct KvswapContext *ctx, KvswapStream stream);
 
 // Writes what the context runs on to `*out`.
@@ -367,7 +366,11 @@ const char *kvswap_version(void);
 const char *kvswap_status_name(int32_t status);
 
 // Routes kvswap's log lines to `callback` (NULL: back to stderr). Lines keep
-// the shapes documented in README.md (`kvswap_stats layer=...`).
+// the shapes documented in README.md (`kvswap_stats layer=...`). The
+// callback may be called from any thread that is inside a kvswap call, and
+// a line being logged while this function replaces the callback may still
+// go to the previous one: keep the previous `user_data` valid until the
+// kvswap calls running on other threads at that moment have returned.
 enum KvswapStatus kvswap_set_log_callback(KvswapLogCallback callback, void *user_data);
 
 // Sets the log level: 0 off, 1 error, 2 warn, 3 info (default), 4 debug, 5 trace.

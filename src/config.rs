@@ -173,7 +173,36 @@ fn parse_nonzero(var: &str, v: &str, what: &str) -> Result<u32> {
 impl Config {
     /// Defaults overridden by the process environment.
     pub fn from_env() -> Result<Config> {
-        Self::from_lookup(|k| std::env::var(k).ok())
+        Self::from_os_lookup(|k| std::env::var_os(k))
+    }
+
+    /// `KVSWAP_SYNC` (or its alias) alone, from the environment: for calls
+    /// that need only it (the scorer), so a bad value of another variable
+    /// does not fail them.
+    pub fn sync_from_env() -> Result<bool> {
+        let var = VARS.iter().find(|v| v.name == "KVSWAP_SYNC").expect("KVSWAP_SYNC is in the settings table");
+        for name in std::iter::once(var.name).chain(var.alias) {
+            if let Some(v) = std::env::var_os(name) {
+                let text = v.to_str().ok_or_else(|| bad(name, &v.to_string_lossy(), "UTF-8 text"))?;
+                return parse_bool(name, text);
+            }
+        }
+        Ok(Config::default().sync)
+    }
+
+    /// `from_lookup` over raw environment values: a value that is not UTF-8
+    /// is refused, naming its variable (not taken as unset).
+    pub fn from_os_lookup(lookup: impl Fn(&str) -> Option<std::ffi::OsString>) -> Result<Config> {
+        for var in VARS {
+            // The variable `from_lookup` reads: the kvswap name, else its alias.
+            let used = std::iter::once(var.name).chain(var.alias).find_map(|n| lookup(n).map(|v| (n, v)));
+            if let Some((name, v)) = used {
+                if v.to_str().is_none() {
+                    return Err(bad(name, &v.to_string_lossy(), "UTF-8 text"));
+                }
+            }
+        }
+        Self::from_lookup(|k| lookup(k).and_then(|v| v.into_string().ok()))
     }
 
     /// Defaults overridden by `lookup(name)`; the kvswap name wins over its alias.
@@ -207,7 +236,7 @@ impl Config {
             "KVSWAP_WINDOW" => self.window = parse_uint(used, v, "a token count")?,
             "KVSWAP_FM_CKPT" => {
                 if v.len() >= KVSWAP_PATH_MAX || v.contains('\0') {
-                    return Err(bad(used, &format!("{}...", &v[..v.len().min(64)]), &format!(
+                    return Err(bad(used, &format!("{}...", v.chars().take(64).collect::<String>()), &format!(
                         "a path shorter than {KVSWAP_PATH_MAX} bytes (this one has {})",
                         v.len()
                     )));
@@ -370,6 +399,28 @@ mod tests {
         let m: HashMap<String, String> =
             pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn values_that_are_not_text_are_refused_by_name() {
+        use std::os::unix::ffi::OsStringExt;
+        // Not UTF-8: refused, naming the variable (the alias when that is the one set).
+        fn raw(name: &'static str) -> impl Fn(&str) -> Option<std::ffi::OsString> {
+            move |k| (k == name).then(|| std::ffi::OsString::from_vec(vec![0xff, 0xfe]))
+        }
+        let e = Config::from_os_lookup(raw("KVSWAP_GPU_CHUNKS")).unwrap_err();
+        assert!(e.message.contains("KVSWAP_GPU_CHUNKS") && e.message.contains("UTF-8"), "{e}");
+        let e = Config::from_os_lookup(raw("POCKETLLM_GGUF_KV_SWAP_GPU_CHUNKS")).unwrap_err();
+        assert!(e.message.contains("POCKETLLM_GGUF_KV_SWAP_GPU_CHUNKS"), "{e}");
+        // UTF-8 values go through as before.
+        let c = Config::from_os_lookup(|k: &str| (k == "KVSWAP_GPU_CHUNKS").then(|| "64".into())).unwrap();
+        assert_eq!(c.gpu_chunks, 64);
+        // A checkpoint path too long, in characters of several bytes: an
+        // error quoting its first 64 characters, not a panic mid-character.
+        let long = "\u{20ac}".repeat(1400);
+        let e = Config::from_lookup(env(&[("KVSWAP_FM_CKPT", &long)])).unwrap_err();
+        assert_eq!(e.status, KvswapStatus::InvalidArgument, "{e}");
+        assert!(e.message.contains(&"\u{20ac}".repeat(64)), "{e}");
     }
 
     #[test]

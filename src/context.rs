@@ -6,7 +6,7 @@
 
 use crate::backend::{self, Backend, BackendKind, LayerOps, StreamHandle};
 use crate::config::Config;
-use crate::error::{Error, Result};
+use crate::error::{Error, KvswapStatus, Result};
 use crate::layer::{check_pinned_cap, KvswapLayerSpec, KvswapLayerStats, LayerPlan, StagingView};
 use std::sync::{Mutex, MutexGuard};
 
@@ -116,9 +116,15 @@ impl Context {
 
     fn layer(&self, layer: usize) -> Result<MutexGuard<'_, Box<dyn LayerOps>>> {
         let m = self.layers.get(layer).ok_or_else(|| self.bad_layer(layer))?;
-        // A panic inside a layer operation poisons its mutex; the state is
-        // still consistent (every mutation validates first), so go on.
-        Ok(m.lock().unwrap_or_else(|p| p.into_inner()))
+        // A panic inside a layer operation poisons its mutex, and it may have
+        // left the layer half-updated (an internal invariant failed): the
+        // layer refuses every later call instead of working on that state.
+        m.lock().map_err(|_| {
+            Error::new(
+                KvswapStatus::Panic,
+                format!("layer {layer} is unusable: an earlier call panicked inside it (KVSWAP_STATUS_PANIC); destroy the context"),
+            )
+        })
     }
 
     /// At most `gpu_chunks` entries per call (on a fully resident layer, at
@@ -307,4 +313,30 @@ pub fn stats_line(layer: usize, s: &KvswapLayerStats) -> String {
         s.slots, s.compressed_cap, s.hits, s.misses, s.evictions, s.stores, s.swap_in_calls,
         s.h2d_bytes as f64 / (1 << 20) as f64, s.d2h_bytes as f64 / (1 << 20) as f64
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::BackendChoice;
+
+    /// A layer whose lock a panic poisoned refuses every later call with
+    /// KVSWAP_STATUS_PANIC; the other layers keep working.
+    #[test]
+    fn a_layer_poisoned_by_a_panic_is_refused() {
+        let config = Config { backend: BackendChoice::Cpu, gpu_chunks: 4, index_topk: 4, ..Config::default() };
+        let spec = KvswapLayerSpec { compressed_cap: 16, chunk_bytes: 32, staging: std::ptr::null_mut(), staging_stride: 0 };
+        let ctx = Context::new(config, &[spec, spec]).unwrap();
+        ctx.stats(0).unwrap();
+        let poisoned = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _g = ctx.layers[0].lock().unwrap();
+            panic!("an internal invariant failed mid-update");
+        }));
+        assert!(poisoned.is_err());
+        let e = ctx.stats(0).unwrap_err();
+        assert_eq!(e.status, KvswapStatus::Panic, "{e}");
+        assert!(e.message.contains("layer 0 is unusable"), "{e}");
+        assert!(ctx.sync().is_err(), "sync reaches the poisoned layer");
+        ctx.stats(1).unwrap();
+    }
 }

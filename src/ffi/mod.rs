@@ -17,7 +17,8 @@ mod scorer;
 pub use scorer::*;
 
 /// An engine stream: a `CUstream` on the CUDA backend (NULL is refused there:
-/// kvswap never uses the legacy default stream); ignored on the CPU backend.
+/// kvswap never uses the legacy default stream; `kvswap_sync` alone takes
+/// NULL, see there); ignored on the CPU backend.
 pub type KvswapStream = *mut c_void;
 
 /// Opaque handle to a kvswap context. Create with `kvswap_create`, free with
@@ -99,11 +100,22 @@ pub(crate) fn check_null<T>(p: *const T, name: &str) -> Result<()> {
     if p.is_null() { Err(Error::null(name)) } else { Ok(()) }
 }
 
+/// `check_null`, then `p` aligned for T (an engine's misaligned int buffer
+/// would be undefined behaviour in a Rust slice and a fault on the device).
+pub(crate) fn check_aligned<T>(p: *const T, name: &str) -> Result<()> {
+    check_null(p, name)?;
+    let align = std::mem::align_of::<T>();
+    if (p as usize) % align != 0 {
+        return Err(Error::invalid(format!("`{name}` = {p:p} is not {align}-byte aligned")));
+    }
+    Ok(())
+}
+
 /// Fills `*out` with the defaults of DESIGN.md's settings table.
 #[no_mangle]
 pub extern "C" fn kvswap_config_default(out: *mut KvswapConfig) -> KvswapStatus {
     boundary("kvswap_config_default", || {
-        check_null(out, "out")?;
+        check_aligned(out, "out")?;
         write_out(out, Config::default().to_c());
         Ok(())
     })
@@ -115,7 +127,7 @@ pub extern "C" fn kvswap_config_default(out: *mut KvswapConfig) -> KvswapStatus 
 #[no_mangle]
 pub extern "C" fn kvswap_config_from_env(out: *mut KvswapConfig) -> KvswapStatus {
     boundary("kvswap_config_from_env", || {
-        check_null(out, "out")?;
+        check_aligned(out, "out")?;
         let c = Config::from_env()?;
         write_out(out, c.to_c());
         Ok(())
@@ -135,9 +147,9 @@ pub extern "C" fn kvswap_create(
     out: *mut *mut KvswapContext,
 ) -> KvswapStatus {
     boundary("kvswap_create", || {
-        check_null(config, "config")?;
-        check_null(layers, "layers")?;
-        check_null(out, "out")?;
+        check_aligned(config, "config")?;
+        check_aligned(layers, "layers")?;
+        check_aligned(out, "out")?;
         if n_layers == 0 {
             return Err(Error::invalid("n_layers is 0"));
         }
@@ -178,7 +190,7 @@ pub extern "C" fn kvswap_store(
 ) -> KvswapStatus {
     boundary("kvswap_store", || {
         let c = ctx_ref(ctx)?;
-        check_null(src, "src")?;
+        check_aligned(src, "src")?;
         // SAFETY: the engine promises `src` holds chunk_bytes readable bytes.
         unsafe { c.store_raw(layer as usize, &[logical_id], src as u64, 0, stream as u64) }
     })
@@ -199,8 +211,8 @@ pub extern "C" fn kvswap_store_batch(
 ) -> KvswapStatus {
     boundary("kvswap_store_batch", || {
         let c = ctx_ref(ctx)?;
-        check_null(ids, "ids")?;
-        check_null(src, "src")?;
+        check_aligned(ids, "ids")?;
+        check_aligned(src, "src")?;
         if n == 0 {
             return Err(Error::invalid("n is 0"));
         }
@@ -228,7 +240,7 @@ pub extern "C" fn kvswap_swap_in_selected(
 ) -> KvswapStatus {
     boundary("kvswap_swap_in_selected", || {
         let c = ctx_ref(ctx)?;
-        check_null(indices, "indices")?;
+        check_aligned(indices as *const i32, "indices")?;
         // SAFETY: the engine promises window_len + count ints, not used
         // concurrently.
         unsafe { c.swap_in_raw(layer as usize, indices as u64, window_len, count, stream as u64) }
@@ -241,7 +253,7 @@ pub extern "C" fn kvswap_swap_in_selected(
 pub extern "C" fn kvswap_layer_stats(ctx: *mut KvswapContext, layer: u32, out: *mut KvswapLayerStats) -> KvswapStatus {
     boundary("kvswap_layer_stats", || {
         let c = ctx_ref(ctx)?;
-        check_null(out, "out")?;
+        check_aligned(out, "out")?;
         let s = c.stats(layer as usize)?;
         write_out(out, s);
         Ok(())
@@ -262,9 +274,9 @@ pub extern "C" fn kvswap_layer_staging(
 ) -> KvswapStatus {
     boundary("kvswap_layer_staging", || {
         let c = ctx_ref(ctx)?;
-        check_null(out_ptr, "out_ptr")?;
-        check_null(out_stride, "out_stride")?;
-        check_null(out_rows, "out_rows")?;
+        check_aligned(out_ptr, "out_ptr")?;
+        check_aligned(out_stride, "out_stride")?;
+        check_aligned(out_rows, "out_rows")?;
         let v = c.staging(layer as usize)?;
         write_out(out_ptr, v.ptr as *mut c_void);
         write_out(out_stride, v.stride as usize);
@@ -276,7 +288,8 @@ pub extern "C" fn kvswap_layer_staging(
 /// Waits for the context's outstanding device work and returns the first
 /// error an asynchronous call recorded since the last synchronising call
 /// (clearing it). `stream` is the engine stream the work was issued on
-/// (ignored on the CPU backend).
+/// (ignored on the CPU backend); NULL waits for kvswap's own streams only,
+/// not for work the engine queued on its streams.
 #[no_mangle]
 pub extern "C" fn kvswap_sync(ctx: *mut KvswapContext, stream: KvswapStream) -> KvswapStatus {
     boundary("kvswap_sync", || ctx_ref(ctx)?.sync_stream(stream as u64))
@@ -287,7 +300,7 @@ pub extern "C" fn kvswap_sync(ctx: *mut KvswapContext, stream: KvswapStream) -> 
 pub extern "C" fn kvswap_context_info(ctx: *mut KvswapContext, out: *mut KvswapContextInfo) -> KvswapStatus {
     boundary("kvswap_context_info", || {
         let c = ctx_ref(ctx)?;
-        check_null(out, "out")?;
+        check_aligned(out, "out")?;
         let mut staging = 0u64;
         let mut swap_layers = 0u32;
         for l in 0..c.n_layers() {
@@ -335,6 +348,10 @@ pub extern "C" fn kvswap_version() -> *const c_char {
 /// ("KVSWAP_STATUS_UNKNOWN" for other values). Static storage.
 #[no_mangle]
 pub extern "C" fn kvswap_status_name(status: i32) -> *const c_char {
+    catch_unwind(|| status_name(status)).unwrap_or(c"KVSWAP_STATUS_UNKNOWN".as_ptr())
+}
+
+fn status_name(status: i32) -> *const c_char {
     use KvswapStatus::*;
     let all = [
         Ok, InvalidArgument, NullPointer, OutOfRange, NotStored, PinnedCap, TopkGuard, NoDevice,
@@ -350,7 +367,11 @@ pub extern "C" fn kvswap_status_name(status: i32) -> *const c_char {
 }
 
 /// Routes kvswap's log lines to `callback` (NULL: back to stderr). Lines keep
-/// the shapes documented in README.md (`kvswap_stats layer=...`).
+/// the shapes documented in README.md (`kvswap_stats layer=...`). The
+/// callback may be called from any thread that is inside a kvswap call, and
+/// a line being logged while this function replaces the callback may still
+/// go to the previous one: keep the previous `user_data` valid until the
+/// kvswap calls running on other threads at that moment have returned.
 #[no_mangle]
 pub extern "C" fn kvswap_set_log_callback(callback: KvswapLogCallback, user_data: *mut c_void) -> KvswapStatus {
     boundary("kvswap_set_log_callback", || {

@@ -8,7 +8,7 @@
 //! pointer must point to is the C caller's contract, documented on each one.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-use super::{boundary, check_null, write_out, KvswapStream};
+use super::{boundary, check_aligned, write_out, KvswapStream};
 use crate::config::{KvswapEnsemble, KVSWAP_ENSEMBLE_MAX, KVSWAP_ENSEMBLE_MEAN};
 use crate::config::Ensemble;
 use crate::error::{Error, KvswapStatus, Result};
@@ -82,7 +82,7 @@ pub struct FmScorerInfo {
 }
 
 fn scorer_ref<'a>(s: *const FmScorer) -> Result<&'a Scorer> {
-    check_null(s, "scorer")?;
+    check_aligned(s, "scorer")?;
     // SAFETY: non-NULL handles come from fm_scorer_load and stay valid until
     // fm_scorer_free, per the API contract.
     Ok(unsafe { &(*s).inner })
@@ -98,7 +98,7 @@ fn keys_ref(k: &FmKeys) -> Result<KeysRef> {
 }
 
 fn path_arg(path: *const c_char) -> Result<PathBuf> {
-    check_null(path, "path")?;
+    check_aligned(path, "path")?;
     // SAFETY: non-NULL; the engine promises a NUL-terminated string.
     let bytes = unsafe { CStr::from_ptr(path) }.to_bytes();
     if bytes.is_empty() {
@@ -128,7 +128,7 @@ fn path_arg(path: *const c_char) -> Result<PathBuf> {
 #[no_mangle]
 pub extern "C" fn fm_scorer_load(path: *const c_char, device: i32, out: *mut *mut FmScorer) -> KvswapStatus {
     boundary("fm_scorer_load", || {
-        check_null(out, "out")?;
+        check_aligned(out, "out")?;
         let scorer = Scorer::load(&path_arg(path)?, device)?;
         write_out(out, Box::into_raw(Box::new(FmScorer { inner: scorer })));
         Ok(())
@@ -153,7 +153,7 @@ pub extern "C" fn fm_scorer_free(scorer: *mut FmScorer) {
 pub extern "C" fn fm_scorer_info(scorer: *const FmScorer, out: *mut FmScorerInfo) -> KvswapStatus {
     boundary("fm_scorer_info", || {
         let s = scorer_ref(scorer)?;
-        check_null(out, "out")?;
+        check_aligned(out, "out")?;
         let m = s.meta();
         write_out(
             out,
@@ -243,7 +243,7 @@ pub extern "C" fn fm_score_topk(
 ) -> KvswapStatus {
     boundary("fm_score_topk", || {
         let s = scorer_ref(scorer)?;
-        check_null(keys, "keys")?;
+        check_aligned(keys, "keys")?;
         // SAFETY: non-NULL; the engine promises a valid FmKeys.
         let keys = keys_ref(unsafe { &*keys })?;
         let seq = SeqRef { hidden: hidden as u64, keys, n_chunks, out: out_indices as u64 };
@@ -274,7 +274,7 @@ pub extern "C" fn fm_score_topk_batch(
 ) -> KvswapStatus {
     boundary("fm_score_topk_batch", || {
         let s = scorer_ref(scorer)?;
-        check_null(seqs, "seqs")?;
+        check_aligned(seqs, "seqs")?;
         args::check_batch(n_seqs)?;
         // SAFETY: non-NULL, count checked; the engine promises `n_seqs`
         // readable FmSeq in host memory.
@@ -351,9 +351,9 @@ pub extern "C" fn fm_bounds_build(
     out_max: *mut f32,
 ) -> KvswapStatus {
     boundary("fm_bounds_build", || {
-        check_null(keys, "keys")?;
-        check_null(out_min, "out_min")?;
-        check_null(out_max, "out_max")?;
+        check_aligned(keys, "keys")?;
+        check_aligned(out_min, "out_min")?;
+        check_aligned(out_max, "out_max")?;
         // SAFETY: non-NULL; the engine promises a valid FmKeys.
         let k = keys_ref(unsafe { &*keys })?;
         scorer::bounds::check_dim(dim as usize)?;

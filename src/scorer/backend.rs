@@ -150,7 +150,7 @@ pub fn open_bounds(device: i32) -> Result<Box<dyn BoundsBackend>> {
 /// waits and returns its own errors (default 1, as in DESIGN.md).
 #[cfg(feature = "cuda")]
 fn sync_setting() -> Result<bool> {
-    Ok(crate::config::Config::from_env()?.sync)
+    crate::config::Config::sync_from_env()
 }
 
 /// The CUDA scorer bound to `device` (tensor-core kernels, weights uploaded

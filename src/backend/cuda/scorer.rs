@@ -20,7 +20,9 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
-/// Sequences per launch (`FM_MAX_BATCH` in kernels/scorer/project.cu).
+/// Sequences per launch (`FM_MAX_BATCH` in kernels/scorer/project.cu);
+/// internal: a batch call splits longer batches.
+/// cbindgen:ignore
 pub const MAX_BATCH: usize = 64;
 const HIST: usize = 4096;
 /// fm_score_wg: warpgroups per block and tiles in flight per warpgroup
