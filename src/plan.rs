@@ -786,6 +786,10 @@ mod tests {
     fn reference_model_file_is_the_default() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("integrations/models/reference.toml");
         assert_eq!(Model::from_toml_file(&path).unwrap(), Model::default());
+        // Every field written out, not left to the defaults: parsed as a
+        // whole Model (no field optional), it is still the default.
+        let whole: Model = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(whole, Model::default());
         let e = Model::from_toml_file(Path::new("/nonexistent/model.toml")).unwrap_err();
         assert_eq!((e.what.as_str(), e.value.as_str()), ("--model", "/nonexistent/model.toml"));
         let m = Model { kv_dim: 0, ..Model::default() };
