@@ -258,20 +258,54 @@ fn checkpoint_round_trip_through_the_cli() {
         ]);
         assert_eq!(code, Some(0), "{err}");
     }
-    // (The JSON header's key order may differ: compare the weights.)
+    // The same seed writes the same file, byte for byte (metadata keys in a
+    // fixed order), with the permissions of any file this process creates
+    // (not the 0600 of a temporary file).
+    let bytes = |p: &Path| std::fs::read(p).unwrap();
+    assert!(bytes(&file) == bytes(&again), "same seed, different files");
     let weights = |p: &Path| -> Vec<Vec<u8>> {
         let c = Checkpoint::load(p).unwrap();
         c.weight_tensors().map(|t| c.raw(t).to_vec()).collect()
     };
-    assert!(weights(&file) == weights(&again), "same seed, different weights");
     assert!(weights(&file) != weights(&other), "different seeds, same weights");
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let plain = dir.join("plain");
+        std::fs::File::create(&plain).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&file), mode(&plain), "checkpoint permissions");
+    }
 
-    // A bad checkpoint is exit 2 with the reason.
+    // A bad or missing checkpoint is a run-time failure (exit 1) with the
+    // reason, not a usage error.
     let bad = dir.join("bad.safetensors");
     std::fs::write(&bad, b"not a checkpoint").unwrap();
     let (code, _, err) = run(&["fm", "info", bad.to_str().unwrap()]);
-    assert_eq!(code, Some(2));
+    assert_eq!(code, Some(1));
     assert!(err.contains("KVSWAP_STATUS_BAD_CHECKPOINT"), "{err}");
+    let (code, _, err) = run(&["fm", "info", dir.join("missing.safetensors").to_str().unwrap()]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("KVSWAP_STATUS_IO") && !err.contains("--help"), "{err}");
+    // Shapes each in range whose weights would not fit in memory: a usage
+    // error before anything is allocated.
+    let (code, _, err) = run(&["fm", "init", "--hidden", "1048576", "--heads", "4096", "--head-dim", "4096", "--out", dir.join("huge").to_str().unwrap()]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("at most 4 GiB"), "{err}");
+    assert!(!dir.join("huge").exists());
+}
+
+#[test]
+fn the_writer_refuses_what_the_loader_refuses() {
+    use kvswap::scorer::{write, Meta, WeightDtype};
+    let meta = Meta { n_scorers: 1, hidden: 2, n_heads: 1, head_dim: 1, ensemble: Ensemble::Max };
+    let ok = vec![vec![0.5f32, -0.25]];
+    // 1e5 overflows f16 (Inf), NaN is NaN: both named, as the loader names them.
+    let e = write::from_weights(&meta, WeightDtype::F16, &[vec![0.5, 1e5]], &ok).unwrap_err();
+    assert!(e.message.contains("scorers.0.wq element [0, 1]") && e.message.contains("finite"), "{e}");
+    let e = write::from_weights(&meta, WeightDtype::Bf16, &ok, &[vec![f32::NAN, 0.0]]).unwrap_err();
+    assert!(e.message.contains("scorers.0.ww element [0, 0]"), "{e}");
+    let t = write::from_weights(&meta, WeightDtype::F16, &ok, &ok).unwrap();
+    assert!(Checkpoint::from_bytes(write::to_bytes(&meta, &t).unwrap()).is_ok());
 }
 
 #[test]

@@ -705,7 +705,7 @@ fn cmd_fm_init(a: FmInitArgs) -> Result<(), Failure> {
 }
 
 fn cmd_fm_info(a: FmInfoArgs) -> Result<(), Failure> {
-    let ckpt = kvswap::scorer::Checkpoint::load(&a.file).map_err(|e| Failure::Usage(e.to_string()))?;
+    let ckpt = kvswap::scorer::Checkpoint::load(&a.file)?;
     let info = kvswap::scorer::info::info(&ckpt);
     if a.json {
         emit(&to_json(&info)?)

@@ -172,10 +172,20 @@ impl Checkpoint {
     /// with a message naming the field or tensor, what was expected and what
     /// was found.
     pub fn load(path: &Path) -> Result<Checkpoint> {
-        let image = std::fs::read(path).map_err(|e| {
-            Error::new(KvswapStatus::Io, format!("cannot read checkpoint {}: {e}", path.display()))
-        })?;
-        Checkpoint::from_bytes(image).map_err(|e| Error::new(e.status, format!("checkpoint {}: {}", path.display(), e.message)))
+        use std::io::{Read, Seek, SeekFrom};
+        let io = |e: std::io::Error| Error::new(KvswapStatus::Io, format!("cannot read checkpoint {}: {e}", path.display()));
+        let named = |e: Error| Error::new(e.status, format!("checkpoint {}: {}", path.display(), e.message));
+        let mut file = std::fs::File::open(path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        // The header first: a file of another format is refused before its
+        // data (possibly gigabytes) is read.
+        if let Some(header) = read_header(&mut file, len).map_err(io)? {
+            check_format_tag(&header).map_err(named)?;
+        }
+        file.seek(SeekFrom::Start(0)).map_err(io)?;
+        let mut image = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
+        file.read_to_end(&mut image).map_err(io)?;
+        Checkpoint::from_bytes(image).map_err(named)
     }
 
     /// Validates a checkpoint held in memory (the whole file).
@@ -251,16 +261,48 @@ impl Checkpoint {
     }
 }
 
+/// The JSON header of a safetensors file of `len` bytes, when its length
+/// field is plausible (else None: `from_bytes` explains what is wrong).
+fn read_header(file: &mut std::fs::File, len: u64) -> std::io::Result<Option<Vec<u8>>> {
+    use std::io::Read;
+    let mut n = [0u8; 8];
+    if len < 8 {
+        return Ok(None);
+    }
+    file.read_exact(&mut n)?;
+    let n = u64::from_le_bytes(n);
+    if n > HEADER_MAX || 8 + n > len {
+        return Ok(None);
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header)?;
+    Ok(Some(header))
+}
+/// The safetensors crate's limit on a header's size.
+const HEADER_MAX: u64 = 100_000_000;
+
+/// The `format` tag of a header, checked as `parse_meta` checks it; a header
+/// that is not JSON passes (`from_bytes` explains).
+fn check_format_tag(header: &[u8]) -> Result<()> {
+    let Ok(json) = serde_json::from_slice::<serde_json::Value>(header) else { return Ok(()) };
+    format_check(json.get("__metadata__").and_then(|m| m.get("format")).map(|f| f.as_str().unwrap_or("(not a string)")))
+}
+
+fn format_check(found: Option<&str>) -> Result<()> {
+    match found {
+        Some(f) if f == FM_CHECKPOINT_FORMAT => Ok(()),
+        Some(f) => Err(bad(format!("metadata `format` = {f:?}: expected {FM_CHECKPOINT_FORMAT:?}"))),
+        None => Err(bad(format!("metadata has no `format` field ({})", expected_field("format")))),
+    }
+}
+
 fn parse_meta(st: &Metadata) -> Result<Meta> {
     let empty = HashMap::new();
     let m = st.metadata().as_ref().unwrap_or(&empty);
     let field = |name: &str| -> Result<&String> {
         m.get(name).ok_or_else(|| bad(format!("metadata has no `{name}` field ({})", expected_field(name))))
     };
-    let format = field("format")?;
-    if format != FM_CHECKPOINT_FORMAT {
-        return Err(bad(format!("metadata `format` = {format:?}: expected {FM_CHECKPOINT_FORMAT:?}")));
-    }
+    format_check(m.get("format").map(String::as_str))?;
     let meta = Meta {
         n_scorers: int_field("n_scorers", field("n_scorers")?)?,
         hidden: int_field("hidden", field("hidden")?)?,

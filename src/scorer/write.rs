@@ -5,7 +5,7 @@
 use super::checkpoint::{wq_name, ww_name, Meta};
 use super::dtype::WeightDtype;
 use crate::error::{Error, KvswapStatus, Result};
-use safetensors::{Dtype, SafeTensorError, View};
+use safetensors::{Dtype, View};
 use std::borrow::Cow;
 use std::path::Path;
 
@@ -65,14 +65,51 @@ fn matrix(name: &str, dtype: WeightDtype, shape: [usize; 2], values: &[f32]) -> 
     if values.len() != shape[0] * shape[1] {
         return Err(Error::invalid(format!("{name}: {} values for shape {shape:?}", values.len())));
     }
-    Ok(NewTensor::from_values(name, dtype, &shape, values.iter().map(|&v| v as f64)))
+    let t = NewTensor::from_values(name, dtype, &shape, values.iter().map(|&v| v as f64));
+    // What the loader refuses is refused here: NaN, Inf, and values that
+    // overflow the dtype (1e5 in f16 is Inf).
+    for i in 0..values.len() {
+        let stored = dtype.get(&t.data, i);
+        if !stored.is_finite() {
+            return Err(Error::invalid(format!(
+                "{name} element [{}, {}] is {} ({} stored as {stored} in {}): every weight must be finite",
+                i / shape[1],
+                i % shape[1],
+                values[i],
+                values[i],
+                dtype.name()
+            )));
+        }
+    }
+    Ok(t)
 }
+
+/// The largest checkpoint `random` makes (its weights are held in memory).
+pub const RANDOM_MAX_BYTES: u64 = 4 << 30;
 
 /// Seeded random weights, each drawn from N(0, 1/hidden) and rounded to
 /// `dtype`, so that a projection of a unit-variance hidden state has unit
 /// variance and scores are O(1). The same seed gives the same weights.
 pub fn random(meta: &Meta, dtype: WeightDtype, seed: u64) -> Result<Vec<NewTensor>> {
     meta.validate()?;
+    // Every dimension is in range, but not necessarily their product: the
+    // weights are built in memory, so test and demo checkpoints stop at 4 GiB.
+    let bytes = [meta.n_heads as u64 * meta.head_dim as u64 + meta.n_heads as u64, meta.hidden as u64, meta.n_scorers as u64, dtype.size() as u64]
+        .into_iter()
+        .try_fold(1u64, |acc, x| acc.checked_mul(x));
+    if bytes.is_none_or(|b| b > RANDOM_MAX_BYTES) {
+        return Err(Error::invalid(format!(
+            "{} scorers x ({} heads x {} dims + {} heads) x hidden {} in {} is {}: random checkpoints are at most {} GiB",
+            meta.n_scorers,
+            meta.n_heads,
+            meta.head_dim,
+            meta.n_heads,
+            meta.hidden,
+            dtype.name(),
+            bytes.map_or("more than 2^64 bytes".to_string(), |b| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)),
+            RANDOM_MAX_BYTES >> 30
+        )));
+    }
     let std = 1.0 / (meta.hidden as f64).sqrt();
     let mut rng = Normal::new(seed);
     let mut out = Vec::with_capacity(2 * meta.n_scorers as usize);
@@ -85,22 +122,61 @@ pub fn random(meta: &Meta, dtype: WeightDtype, seed: u64) -> Result<Vec<NewTenso
     Ok(out)
 }
 
-/// The bytes of a safetensors file holding `meta` and `tensors`.
+/// The bytes of a safetensors file holding `meta` and `tensors`. The same
+/// inputs give the same bytes: the metadata keys are written sorted (the
+/// safetensors crate takes them as a HashMap, in no fixed order).
 pub fn to_bytes(meta: &Meta, tensors: &[NewTensor]) -> Result<Vec<u8>> {
-    safetensors::serialize(tensors.iter().map(|t| (t.name.clone(), t)), Some(meta.to_metadata()))
-        .map_err(|e| Error::invalid(format!("cannot serialize checkpoint: {e}")))
+    let image = safetensors::serialize(tensors.iter().map(|t| (t.name.clone(), t)), Some(meta.to_metadata()))
+        .map_err(|e| Error::invalid(format!("cannot serialize checkpoint: {e}")))?;
+    sort_metadata(image)
 }
 
-/// Writes a checkpoint to `path` (through a temporary file in the same
-/// directory, renamed into place).
+/// `image` with its header's `__metadata__` keys in sorted order. A
+/// safetensors file is an 8-byte little-endian header length, the JSON
+/// header (padded with spaces to 8 bytes) and the tensor bytes, which the
+/// header addresses relative to their start: reordering JSON keys leaves
+/// them in place.
+fn sort_metadata(image: Vec<u8>) -> Result<Vec<u8>> {
+    let broken = |what: &str| Error::invalid(format!("cannot serialize checkpoint: the safetensors crate wrote {what}"));
+    let len = u64::from_le_bytes(image.get(..8).ok_or_else(|| broken("no header"))?.try_into().unwrap()) as usize;
+    let header = image.get(8..8 + len).ok_or_else(|| broken("a short header"))?;
+    let mut json: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header).map_err(|_| broken("a header that is not JSON"))?;
+    if let Some(serde_json::Value::Object(m)) = json.remove("__metadata__") {
+        let sorted: std::collections::BTreeMap<String, serde_json::Value> = m.into_iter().collect();
+        let mut rebuilt = serde_json::Map::new();
+        rebuilt.insert("__metadata__".to_string(), serde_json::Value::Object(sorted.into_iter().collect()));
+        rebuilt.extend(json);
+        json = rebuilt;
+    }
+    let mut text = serde_json::to_vec(&json).map_err(|_| broken("a header that cannot be rewritten"))?;
+    text.resize(text.len().div_ceil(8) * 8, b' ');
+    let mut out = Vec::with_capacity(8 + text.len() + image.len() - 8 - len);
+    out.extend_from_slice(&(text.len() as u64).to_le_bytes());
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&image[8 + len..]);
+    Ok(out)
+}
+
+/// Writes a checkpoint to `path`: through a temporary file in the same
+/// directory, renamed into place, created with the process's usual file
+/// permissions (0666 less the umask) so that an engine running as another
+/// user can read it.
 pub fn save(path: &Path, meta: &Meta, tensors: &[NewTensor]) -> Result<()> {
-    safetensors::serialize_to_file(tensors.iter().map(|t| (t.name.clone(), t)), Some(meta.to_metadata()), path)
-        .map_err(|e| match e {
-            SafeTensorError::IoError(io) => {
-                Error::new(KvswapStatus::Io, format!("cannot write checkpoint {}: {io}", path.display()))
-            }
-            other => Error::invalid(format!("cannot serialize checkpoint {}: {other}", path.display())),
-        })
+    let image = to_bytes(meta, tensors)?;
+    let io = |e: std::io::Error| Error::new(KvswapStatus::Io, format!("cannot write checkpoint {}: {e}", path.display()));
+    let name = path.file_name().ok_or_else(|| Error::invalid(format!("checkpoint path {} names no file", path.display())))?;
+    let tmp = path.with_file_name(format!(".{}.tmp{}", name.to_string_lossy(), std::process::id()));
+    let written = (|| {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&image)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.map_err(io)
 }
 
 /// Standard normal numbers: splitmix64 and the Box-Muller transform.
