@@ -85,6 +85,7 @@ fn matrix(name: &str, dtype: WeightDtype, shape: [usize; 2], values: &[f32]) -> 
 }
 
 /// The largest checkpoint `random` makes (its weights are held in memory).
+/// cbindgen:ignore
 pub const RANDOM_MAX_BYTES: u64 = 4 << 30;
 
 /// Seeded random weights, each drawn from N(0, 1/hidden) and rounded to
