@@ -177,6 +177,13 @@ impl Context {
                 plan.chunk_bytes
             )));
         }
+        // The rows' span must be an address range (the backends add it to src).
+        if rows_span(ids.len() as u64, stride as u64, plan.chunk_bytes as u64).is_none_or(|b| src.checked_add(b).is_none()) {
+            return Err(Error::out_of_range(format!(
+                "src_stride={src_stride}: {} rows of it from src {src:#x} run past the end of the address space",
+                ids.len()
+            )));
+        }
         let checked = ids.iter().map(|&id| self.check_id(layer, id as i64)).collect::<Result<Vec<u32>>>()?;
         // SAFETY: forwarded caller contract.
         unsafe { self.layer(layer)?.store(&checked, src, stride, stream) }
@@ -290,6 +297,12 @@ impl Context {
     }
 }
 
+/// Bytes from the first of `rows` rows `stride` apart to the end of the last
+/// (`last` bytes long), if that fits an address (at most isize::MAX).
+pub(crate) fn rows_span(rows: u64, stride: u64, last: u64) -> Option<u64> {
+    rows.checked_sub(1)?.checked_mul(stride)?.checked_add(last).filter(|&b| b <= isize::MAX as u64)
+}
+
 impl Drop for Context {
     fn drop(&mut self) {
         for (l, m) in self.layers.iter().enumerate() {
@@ -338,5 +351,24 @@ mod tests {
         assert!(e.message.contains("layer 0 is unusable"), "{e}");
         assert!(ctx.sync().is_err(), "sync reaches the poisoned layer");
         ctx.stats(1).unwrap();
+    }
+
+    /// Strides whose rows would run past the end of the address space are
+    /// refused before any pointer arithmetic (the backends add them to the
+    /// engine's pointers; the device kernels in wrapping u64).
+    #[test]
+    fn strides_past_the_address_space_are_refused() {
+        let config = Config { backend: BackendChoice::Cpu, enable: true, gpu_chunks: 4, index_topk: 4, ..Config::default() };
+        let spec = KvswapLayerSpec { compressed_cap: 16, chunk_bytes: 32, staging: std::ptr::null_mut(), staging_stride: 0 };
+        let ctx = Context::new(config.clone(), &[spec]).unwrap();
+        let e = unsafe { ctx.store_raw(0, &[1, 2, 3], 0x1000, 1 << 63, 0) }.unwrap_err();
+        assert_eq!(e.status, KvswapStatus::OutOfRange, "{e}");
+        assert!(e.message.contains("src_stride=9223372036854775808"), "{e}");
+        let e = unsafe { ctx.store_raw(0, &[1, 2], u64::MAX - 40, 32, 0) }.unwrap_err();
+        assert_eq!(e.status, KvswapStatus::OutOfRange, "{e}");
+        let engine = KvswapLayerSpec { staging: 0x1000 as *mut std::ffi::c_void, staging_stride: 1 << 62, ..spec };
+        let e = Context::new(config, &[engine]).err().expect("refused");
+        assert_eq!(e.status, KvswapStatus::OutOfRange, "{e}");
+        assert!(e.message.contains("staging_stride=4611686018427387904"), "{e}");
     }
 }

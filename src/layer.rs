@@ -127,6 +127,12 @@ impl LayerPlan {
                     spec.chunk_bytes
                 )));
             }
+            if crate::context::rows_span(slots as u64, stride, spec.chunk_bytes).is_none_or(|b| (spec.staging as u64).checked_add(b).is_none()) {
+                return Err(Error::out_of_range(format!(
+                    "layer {index}: staging_stride={stride}: the slot rows from staging {:p} run past the end of the address space",
+                    spec.staging
+                )));
+            }
             Some((spec.staging as u64, stride))
         };
         if (cfg.window as u64) + (slots as u64) >= 1 << 30 {

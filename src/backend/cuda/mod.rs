@@ -146,9 +146,13 @@ impl Backend for CudaBackend {
     }
 }
 
-/// Dynamic shared memory of kvswap_swap_in for a swapping layer.
-fn swap_smem(count: u32, slots: u32) -> u32 {
-    4 * (3 * count + 2 * slots)
+/// The handle of CUDA's per-thread default stream (`CU_STREAM_PER_THREAD`).
+pub(crate) const CU_STREAM_PER_THREAD: usize = 2;
+
+/// Dynamic shared memory of kvswap_swap_in for a swapping layer (u64: with
+/// gpu_chunks near 2^30 the u32 product would wrap past the limit check).
+fn swap_smem(count: u32, slots: u32) -> u64 {
+    4 * (3 * count as u64 + 2 * slots as u64)
 }
 
 /// Refuses the legacy default stream and streams of other devices.
@@ -182,7 +186,7 @@ pub(crate) fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &s
             format!("{what} ({ptr:#x}) is memory of device {}, but this kvswap object is bound to device {}", info.device_ordinal, device.ordinal),
         ));
     }
-    if ptr + bytes > info.range_start + info.range_size {
+    if ptr.checked_add(bytes).is_none_or(|end| end > info.range_start + info.range_size) {
         return Err(Error::out_of_range(format!(
             "{what} ({ptr:#x}, {bytes} bytes) runs past the end of its allocation ({} bytes from {:#x})",
             info.range_size, info.range_start
@@ -255,7 +259,7 @@ impl CudaLayer {
     fn new(sh: Arc<Shared>, p: &LayerPlan, cfg: &Config, pool: Arc<PinnedBuffer>, offset: u64) -> Result<CudaLayer> {
         let cap = p.compressed_cap as usize;
         let slots = p.slots as usize;
-        if p.swap && swap_smem(slots as u32, slots as u32) > sh.swap_smem_max {
+        if p.swap && swap_smem(slots as u32, slots as u32) > sh.swap_smem_max as u64 {
             return Err(Error::new(
                 KvswapStatus::Unsupported,
                 format!(
@@ -346,12 +350,16 @@ impl CudaLayer {
                 driver::stream_wait_event(s, &self.done)?;
             }
             self.checked_stream = stream as usize;
+        } else if stream as usize == CU_STREAM_PER_THREAD && self.recorded {
+            // One handle, a different stream in every thread: the previous
+            // call may have been another thread's.
+            driver::stream_wait_event(s, &self.done)?;
         }
         Ok(s)
     }
 
     fn check_range(&mut self, ptr: u64, bytes: u64, what: &str) -> Result<()> {
-        if self.checked_ranges.iter().any(|&(a, b)| ptr >= a && ptr + bytes <= b) {
+        if self.checked_ranges.iter().any(|&(a, b)| ptr >= a && ptr.checked_add(bytes).is_some_and(|end| end <= b)) {
             return Ok(());
         }
         let r = check_device_range(&self.sh.device, ptr, bytes, what)?;
@@ -460,7 +468,8 @@ impl CudaLayer {
         let threads = n.next_multiple_of(32).clamp(64, 1024);
         let (mut d, mut idx, mut win, mut cnt, mut st) = (self.dev, indices, window_len, count, strict as u32);
         let mut params = kernel_params![d, idx, win, cnt, st];
-        let smem = if self.dev.identity != 0 { 0 } else { swap_smem(count, self.dev.slots) };
+        // (count <= slots: within the limit checked at creation, so it fits u32.)
+        let smem = if self.dev.identity != 0 { 0 } else { swap_smem(count, self.dev.slots) as u32 };
         // SAFETY: parameters match kvswap_swap_in(LayerDev, i32*, u32, u32, u32);
         // indices were range-checked for window_len + count ints; smem is
         // within the limit checked at creation (count <= slots).

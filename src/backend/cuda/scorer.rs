@@ -107,6 +107,18 @@ struct SelectBatch {
     seq: [SelectSeq; MAX_BATCH],
 }
 
+/// The workspace of stream `s`: its handle, except CU_STREAM_PER_THREAD, one
+/// handle that names a different stream in every thread: there, this
+/// thread's (calls of two threads must not share buffers).
+fn workspace_key(s: CUstream) -> u64 {
+    if s as usize != super::CU_STREAM_PER_THREAD {
+        return s as u64;
+    }
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    thread_local!(static ID: u64 = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    (1 << 63) | ID.with(|id| *id)
+}
+
 /// Per-stream scratch: a stream orders its own calls, so calls on different
 /// streams never share buffers.
 struct Workspace {
@@ -247,6 +259,9 @@ pub struct CudaScorer {
     wgmma: bool,
     sync: bool,
     workspaces: Mutex<HashMap<u64, Workspace>>,
+    /// Workspaces replaced by larger ones, kept until this object is freed: a
+    /// CUDA graph captured before the growth still addresses them.
+    retired: Mutex<Vec<Workspace>>,
     _module: Module,
     launch: Launch,
 }
@@ -392,6 +407,7 @@ impl CudaScorer {
             wgmma,
             sync,
             workspaces: Mutex::new(HashMap::new()),
+            retired: Mutex::new(Vec::new()),
             _module: module,
             launch: Launch { device: dev, pdl },
         })
@@ -412,7 +428,7 @@ impl CudaScorer {
     /// The workspace of stream `s`, grown to `seqs` x `chunks` if needed
     /// (not while the stream is being captured).
     fn workspace<'a>(&self, map: &'a mut HashMap<u64, Workspace>, s: CUstream, seqs: usize, chunks: usize) -> Result<&'a Workspace> {
-        let key = s as u64;
+        let key = workspace_key(s);
         let fits = map.get(&key).is_some_and(|w| w.seqs >= seqs && w.chunks >= chunks);
         if !fits {
             if driver::is_capturing(s)? {
@@ -424,7 +440,9 @@ impl CudaScorer {
             let (old_s, old_c) = map.get(&key).map(|w| (w.seqs, w.chunks)).unwrap_or((0, 0));
             let ws = Workspace::new(seqs.max(old_s), chunks.max(old_c).next_power_of_two(), self.q_elems(), self.w_elems())?;
             ws.clear(s)?;
-            map.insert(key, ws);
+            if let Some(old) = map.insert(key, ws) {
+                self.retired.lock().unwrap_or_else(|p| p.into_inner()).push(old);
+            }
         }
         Ok(map.get(&key).unwrap())
     }
@@ -586,7 +604,7 @@ impl CudaScorer {
         let s = check_stream(self.device(), stream)?;
         driver::stream_sync(s)?;
         let map = self.workspaces.lock().unwrap_or_else(|p| p.into_inner());
-        match map.get(&(s as u64)) {
+        match map.get(&workspace_key(s)) {
             Some(ws) => ws.take_error(s),
             None => Ok(()),
         }
@@ -631,6 +649,7 @@ impl Drop for CudaScorer {
     fn drop(&mut self) {
         if let Ok(_g) = self.launch.device.bind() {
             self.workspaces.lock().unwrap_or_else(|p| p.into_inner()).clear();
+            self.retired.lock().unwrap_or_else(|p| p.into_inner()).clear();
         }
     }
 }
@@ -672,6 +691,9 @@ pub struct CudaBounds {
     select: Selection,
     sync: bool,
     workspaces: Mutex<HashMap<u64, Workspace>>,
+    /// Workspaces replaced by larger ones, kept until this object is freed: a
+    /// CUDA graph captured before the growth still addresses them.
+    retired: Mutex<Vec<Workspace>>,
     _module: Module,
     launch: Launch,
 }
@@ -719,7 +741,7 @@ impl CudaBounds {
         let select = Selection::new(&module)?;
         let pdl = dev.cc.0 >= 9;
         drop(_g);
-        let b = Arc::new(CudaBounds { bounds, select, sync, workspaces: Mutex::new(HashMap::new()), _module: module, launch: Launch { device: dev, pdl } });
+        let b = Arc::new(CudaBounds { bounds, select, sync, workspaces: Mutex::new(HashMap::new()), retired: Mutex::new(Vec::new()), _module: module, launch: Launch { device: dev, pdl } });
         map.insert((device, sync), b.clone());
         Ok(b)
     }
@@ -746,14 +768,16 @@ impl BoundsBackend for CudaBoundsHandle {
         check_device_ptr(dev, b.max, bytes, "bounds_max")?;
         check_device_ptr(dev, b.out, 4 * k as u64, "out_indices")?;
         let mut map = me.workspaces.lock().unwrap_or_else(|p| p.into_inner());
-        let key = s as u64;
+        let key = workspace_key(s);
         if !map.get(&key).is_some_and(|w| w.chunks >= b.n_chunks) {
             if driver::is_capturing(s)? {
                 return Err(Error::invalid("the bounds workspace cannot grow while the stream is captured: run the call once before capturing"));
             }
             let ws = Workspace::new(1, b.n_chunks.next_power_of_two(), 0, 0)?;
             ws.clear(s)?;
-            map.insert(key, ws);
+            if let Some(old) = map.insert(key, ws) {
+                me.retired.lock().unwrap_or_else(|p| p.into_inner()).push(old);
+            }
         }
         let ws = map.get(&key).unwrap();
         let sm = dev.sm_count as u32;
