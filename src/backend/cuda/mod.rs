@@ -350,9 +350,11 @@ impl CudaLayer {
                 driver::stream_wait_event(s, &self.done)?;
             }
             self.checked_stream = stream as usize;
-        } else if stream as usize == CU_STREAM_PER_THREAD && self.recorded {
+        } else if stream as usize == CU_STREAM_PER_THREAD && self.recorded && !driver::is_capturing(s)? {
             // One handle, a different stream in every thread: the previous
-            // call may have been another thread's.
+            // call may have been another thread's. (Not while capturing: a
+            // captured stream does not wait on an event recorded outside
+            // its capture, as before this branch.)
             driver::stream_wait_event(s, &self.done)?;
         }
         Ok(s)
