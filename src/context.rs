@@ -34,7 +34,9 @@ impl Context {
             .enumerate()
             .map(|(i, s)| LayerPlan::resolve(i, s, &config))
             .collect::<Result<Vec<_>>>()?;
-        let required: u64 = plans.iter().map(|p| p.host_bytes()).sum();
+        // Each layer's bytes fit u64, not necessarily their sum: an overflow is
+        // more than any cap (the sum would wrap to a small number and pass).
+        let required = plans.iter().try_fold(0u64, |a, p| a.checked_add(p.host_bytes())).unwrap_or(u64::MAX);
         check_pinned_cap(required, config.pinned_mib)?;
         let backend = backend::select(&config)?;
         let layers = backend.create_layers(&plans, &config)?;
@@ -227,7 +229,9 @@ impl Context {
     pub fn sync(&self) -> Result<()> {
         let mut first = Ok(());
         for l in 0..self.layers.len() {
-            if let Err(e) = self.layer(l)?.sync() {
+            // A poisoned layer is an error like any other: the later layers
+            // are still synced and their deferred errors cleared.
+            if let Err(e) = self.layer(l).and_then(|mut g| g.sync()) {
                 if first.is_ok() {
                     first = Err(e);
                 }
@@ -322,9 +326,10 @@ impl Drop for Context {
 /// The stats log line, in the original engine's shape.
 pub fn stats_line(layer: usize, s: &KvswapLayerStats) -> String {
     format!(
-        "kvswap_stats layer={layer} gpu_chunks={} compressed_cap={} hits={} misses={} evictions={} stores={} swap_in_calls={} h2d_mib={:.3} d2h_mib={:.3}",
-        s.slots, s.compressed_cap, s.hits, s.misses, s.evictions, s.stores, s.swap_in_calls,
-        s.h2d_bytes as f64 / (1 << 20) as f64, s.d2h_bytes as f64 / (1 << 20) as f64
+        // The original engine's fields in its order, then kvswap's own.
+        "kvswap_stats layer={layer} gpu_chunks={} compressed_cap={} hits={} misses={} h2d_mib={:.3} d2h_mib={:.3} evictions={} stores={} swap_in_calls={}",
+        s.slots, s.compressed_cap, s.hits, s.misses,
+        s.h2d_bytes as f64 / (1 << 20) as f64, s.d2h_bytes as f64 / (1 << 20) as f64, s.evictions, s.stores, s.swap_in_calls
     )
 }
 
@@ -351,6 +356,45 @@ mod tests {
         assert!(e.message.contains("layer 0 is unusable"), "{e}");
         assert!(ctx.sync().is_err(), "sync reaches the poisoned layer");
         ctx.stats(1).unwrap();
+    }
+
+    /// sync() goes on past a poisoned layer: a later layer's deferred error
+    /// is cleared too (the first error is returned).
+    #[test]
+    fn sync_goes_past_a_poisoned_layer() {
+        let config = Config { backend: BackendChoice::Cpu, enable: true, sync: false, gpu_chunks: 4, index_topk: 4, ..Config::default() };
+        let spec = KvswapLayerSpec { compressed_cap: 16, chunk_bytes: 32, staging: std::ptr::null_mut(), staging_stride: 0 };
+        let ctx = Context::new(config, &[spec, spec]).unwrap();
+        let mut sel = [9i32];
+        ctx.swap_in(1, &mut sel, 0).unwrap(); // chunk 9 never stored: deferred NOT_STORED
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _g = ctx.layers[0].lock().unwrap();
+            panic!("poison layer 0");
+        }));
+        assert_eq!(ctx.sync().unwrap_err().status, KvswapStatus::Panic);
+        ctx.stats(1).expect("layer 1's deferred error was cleared by sync");
+    }
+
+    /// Layers whose host tiers each fit u64 but whose sum does not: refused
+    /// by the pinned cap (the sum used to wrap to a small number and pass).
+    #[test]
+    fn a_host_tier_sum_past_u64_is_refused() {
+        let config = Config { backend: BackendChoice::Cpu, enable: false, pinned_mib: 1, ..Config::default() };
+        let small = KvswapLayerSpec { compressed_cap: 16, chunk_bytes: 64, staging: std::ptr::null_mut(), staging_stride: 0 };
+        let huge = KvswapLayerSpec { compressed_cap: 1 << 28, chunk_bytes: 1 << 30, staging: 0x1000 as *mut std::ffi::c_void, staging_stride: 0 };
+        let mut specs = vec![small];
+        specs.extend(std::iter::repeat_n(huge, 64));
+        let e = Context::new(config, &specs).err().expect("refused");
+        assert_eq!(e.status, KvswapStatus::PinnedCap, "{e}");
+    }
+
+    #[test]
+    fn stats_line_keeps_the_original_fields_first() {
+        let s = KvswapLayerStats { slots: 512, compressed_cap: 65536, hits: 3, misses: 2, evictions: 1, stores: 4, swap_in_calls: 5, h2d_bytes: 1 << 20, ..Default::default() };
+        assert_eq!(
+            stats_line(3, &s),
+            "kvswap_stats layer=3 gpu_chunks=512 compressed_cap=65536 hits=3 misses=2 h2d_mib=1.000 d2h_mib=0.000 evictions=1 stores=4 swap_in_calls=5"
+        );
     }
 
     /// Strides whose rows would run past the end of the address space are

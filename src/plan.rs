@@ -12,6 +12,9 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::path::Path;
 
+/// Most layers a model may have in all (their counts are summed in u32).
+const MAX_LAYERS: u64 = 1 << 20;
+
 // `cbindgen:ignore` keeps these Rust-only constants out of include/kvswap.h.
 
 /// Decimal megabyte, the unit of DESIGN.md's tables.
@@ -189,6 +192,11 @@ impl Model {
             if c.ratio == 0 {
                 return Err(PlanError::new(name("--layers", format!("layers[{i}].ratio")), c.ratio, "must be >= 1"));
             }
+        }
+        // Layer counts are summed in u32 (a model has thousands at most).
+        let total: u64 = self.layers.iter().map(|c| c.count as u64).sum();
+        if total > MAX_LAYERS {
+            return Err(PlanError::new(name("--layers", "layers".into()), total, &format!("at most {MAX_LAYERS} layers in all")));
         }
         if self.kv_dim == 0 {
             return Err(PlanError::new(name("--kv-dim", "kv_dim".into()), self.kv_dim, "must be >= 1"));
@@ -780,6 +788,13 @@ mod tests {
         assert!(e.reason.contains("int3"), "{e}");
         let e = Model::from_toml_str("kv_dimm = 3\n").unwrap_err();
         assert!(e.reason.contains("kv_dimm"), "{e}");
+    }
+
+    #[test]
+    fn layer_counts_past_the_limit_are_refused() {
+        let m = Model { layers: vec![LayerClass { count: 1 << 31, ratio: 4 }, LayerClass { count: 1 << 31, ratio: 8 }], ..Model::default() };
+        let e = m.validate().unwrap_err();
+        assert_eq!(e.what, "--layers", "{e}");
     }
 
     #[test]
