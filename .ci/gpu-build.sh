@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 rm -rf .gpu && mkdir -p .gpu/tests
 cargo build --release --bin kvswap --lib
 cp target/release/kvswap target/release/libkvswap.so .gpu/
+# Built once with the usual output (a compile error shows here), then listed.
+cargo test --release --no-run
 cargo test --release --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys, shutil
@@ -20,7 +22,7 @@ for line in sys.stdin:
             shutil.copy(m["executable"], ".gpu/tests/" + name)
             print("test binary:", name)
 '
-make -s -C ffi-tests LIBDIR="$PWD/target/release" BUILD="$PWD/.gpu/ffi" build >/dev/null 2>&1 || echo "note: ffi-tests not built"
+make -s -C ffi-tests LIBDIR="$PWD/target/release" BUILD="$PWD/.gpu/ffi" build
 cp -r ffi-tests/Makefile .gpu/ffi/ 2>/dev/null || true
 cp ../shared/bench/torch_fm_baseline.py .gpu/ 2>/dev/null || echo "note: ../shared/bench/torch_fm_baseline.py not found (scorer baseline not carried)"
 # Kernel variants to compare with one build (development): FM_VARIANTS="name=rev ..."

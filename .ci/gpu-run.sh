@@ -96,7 +96,9 @@ if [[ $what == tests || $what == all ]]; then
   step scorer-gpu-fp8-convert env KVSWAP_FM_KERNEL=wgmma-convert $T/scorer_gpu --ignored --test-threads=1 cuda_scorer_matches cuda_scorer_long_call
   step model-cuda     env KVSWAP_TEST_BACKEND=cuda $T/model
   step threads-cuda   env KVSWAP_TEST_BACKEND=cuda $T/threads
-  if [[ -x .gpu/ffi/test_abi ]]; then
+  if [[ ! -x .gpu/ffi/test_abi || ! -x .gpu/ffi/test_abi_cpp ]]; then
+    echo "=== ffi: .gpu/ffi/test_abi(_cpp) missing: run .ci/gpu-build.sh"; fail=1
+  else
     # The scorer groups of the C tests read a small checkpoint (as tests/ffi_c.rs makes it).
     .gpu/kvswap fm init --hidden 64 --heads 16 --head-dim 64 --scorers 2 --dtype bf16 --seed 7 --out "$OUT/fm-test.safetensors" >/dev/null
     FM="KVSWAP_TEST_FM_CKPT=$OUT/fm-test.safetensors KVSWAP_TEST_REQUIRE_FM_CKPT=1"

@@ -90,6 +90,12 @@ impl Default for DemoParams {
     }
 }
 
+/// Limits of a demo run (each is far above a real model or a useful run;
+/// they keep a typo from asking for terabytes).
+const MAX_STEPS: u64 = 1 << 24;
+const MAX_LAYERS: u64 = 4096;
+const MAX_WINDOW: u64 = 1 << 20;
+
 impl DemoParams {
     /// Checks the settings; errors name the flag.
     pub fn validate(&self) -> std::result::Result<(), PlanError> {
@@ -119,7 +125,19 @@ impl DemoParams {
                 return Err(PlanError::new(what, v, "must be in [0, 1]"));
             }
         }
-        if self.capacity() >= i32::MAX as u64 / 2 {
+        if self.steps > MAX_STEPS {
+            return Err(PlanError::new("--steps", self.steps, format!("at most {MAX_STEPS} decode steps")));
+        }
+        if self.layers as u64 > MAX_LAYERS {
+            return Err(PlanError::new("--layers", self.layers, format!("at most {MAX_LAYERS} layers")));
+        }
+        if self.window as u64 > MAX_WINDOW {
+            return Err(PlanError::new("--window", self.window, format!("at most {MAX_WINDOW} tokens")));
+        }
+        if self.gpu_chunks as u64 + self.window as u64 >= 1 << 30 {
+            return Err(PlanError::new("--gpu-chunks", self.gpu_chunks, "--window + --gpu-chunks must stay below 2^30 (int32 physical ids)"));
+        }
+        if self.context.checked_add(self.steps).is_none() || self.capacity() >= i32::MAX as u64 / 2 {
             return Err(PlanError::new("--context", self.context, "context + steps is too long for int32 chunk ids"));
         }
         if self.kv_dim as u64 * 4 > 1 << 30 {
@@ -345,10 +363,12 @@ fn total_stats(ctx: &Context) -> Result<KvswapLayerStats> {
     Ok(t)
 }
 
-/// Writes chunk `id` of `layer` into `buf`: recognisable bytes, cheap to make.
+/// Writes chunk `id` of `layer` into `buf`: recognisable bytes, cheap to make
+/// (as many of the 8 as a chunk holds: --kv-dim 1 is 4 bytes).
 fn fill_chunk(buf: &mut [u8], layer: usize, id: u32) {
-    buf[..4].copy_from_slice(&id.to_le_bytes());
-    buf[4..8].copy_from_slice(&(layer as u32).to_le_bytes());
+    for (d, s) in buf.iter_mut().zip(id.to_le_bytes().into_iter().chain((layer as u32).to_le_bytes())) {
+        *d = s;
+    }
 }
 
 /// Stores chunk `id` into every layer.

@@ -189,3 +189,34 @@ fn demo_cuda_without_device_fails_clearly() {
     assert!(out.is_empty(), "{out}");
     assert!(err.contains("NO_DEVICE") || err.contains("no CUDA"), "{err}");
 }
+
+/// Small inputs that used to panic or ask for terabytes: a usage error (exit
+/// 2) naming the flag, or (--kv-dim 1) a normal run.
+#[test]
+fn demo_limits_are_usage_errors_not_crashes() {
+    let (code, out, err) = kvswap(&["demo", "--backend", "cpu", "--kv-dim", "1", "--context", "8K", "--steps", "5"]);
+    assert_eq!(code, 0, "--kv-dim 1 (4-byte chunks): {err}");
+    assert!(out.contains("hit rate"), "{out}");
+    for (args, flag) in [
+        (vec!["--steps", "18446744073709551615"], "--steps"),
+        (vec!["--ratio", "4294967295", "--context", "4G", "--steps", "100000000000"], "--steps"),
+        (vec!["--layers", "4294967295", "--context", "4", "--steps", "1"], "--layers"),
+        (vec!["--window", "100000000"], "--window"),
+        (vec!["--gpu-chunks", "1073741000", "--window", "1000"], "--gpu-chunks"),
+        (vec!["--svg", "x.svg"], "--svg"),
+    ] {
+        let mut all = vec!["demo", "--backend", "cpu"];
+        all.extend(&args);
+        let (code, _, err) = kvswap(&all);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(flag) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+    // A sweep takes gpu_chunks from its list: --topk above the default
+    // --gpu-chunks runs the default list's values >= --topk.
+    let dir = scratch("sweep-topk");
+    let svg = dir.join("s.svg");
+    let (code, out, err) =
+        kvswap(&["demo", "--backend", "cpu", "--sweep", "--topk", "1024", "--context", "64K", "--steps", "3", "--svg", svg.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("1024") && out.contains("8192") && svg.exists(), "{out}");
+}

@@ -379,13 +379,13 @@ fn cmd_plan(a: PlanArgs) -> Result<(), Failure> {
 
 // ------------------------------------------------------------ demo
 
-fn demo_params(a: &DemoArgs) -> Result<DemoParams, Failure> {
+fn demo_params(a: &DemoArgs, gpu_chunks: u32) -> Result<DemoParams, Failure> {
     let p = DemoParams {
         context: a.context,
         ratio: a.ratio,
         layers: a.layers,
         kv_dim: a.kv_dim,
-        gpu_chunks: a.gpu_chunks,
+        gpu_chunks,
         topk: a.topk,
         steps: a.steps,
         locality: a.locality,
@@ -434,11 +434,33 @@ fn advance(pb: &Option<ProgressBar>, pos: u64, step: u64, gpu_chunks: u32) {
 
 fn cmd_demo(a: DemoArgs) -> Result<(), Failure> {
     set_log_level(a.verbose);
-    let p = demo_params(&a)?;
     if a.sweep || !a.sweep_chunks.is_empty() {
-        let chunks = if a.sweep_chunks.is_empty() { DEFAULT_SWEEP_CHUNKS.to_vec() } else { a.sweep_chunks.clone() };
+        // The runs take their gpu_chunks from the list (the default list
+        // without values below --topk), not from --gpu-chunks.
+        let chunks: Vec<u32> = if a.sweep_chunks.is_empty() {
+            DEFAULT_SWEEP_CHUNKS.iter().copied().filter(|&c| c >= a.topk).collect()
+        } else {
+            a.sweep_chunks.clone()
+        };
+        if let Some(&c) = chunks.iter().find(|&&c| c < a.topk) {
+            return Err(Failure::Usage(format!(
+                "invalid --sweep-chunks value \"{c}\": every selected chunk needs a slot, values must be >= --topk={}",
+                a.topk
+            )));
+        }
+        let Some(&largest) = chunks.iter().max() else {
+            return Err(Failure::Usage(format!("no value of the default sweep is >= --topk={}: give --sweep-chunks", a.topk)));
+        };
+        for &c in &chunks {
+            demo_params(&a, c)?;
+        }
+        let p = demo_params(&a, largest)?;
         return cmd_sweep(&a, &p, &chunks);
     }
+    if a.svg.is_some() {
+        return Err(Failure::Usage("--svg is the sweep's plot: it needs --sweep or --sweep-chunks".into()));
+    }
+    let p = demo_params(&a, a.gpu_chunks)?;
     let pb = progress_bar(p.steps, p.steps);
     let r = demo::run(&p, &mut |s| advance(&pb, s, s, p.gpu_chunks));
     if let Some(pb) = pb {
@@ -534,12 +556,6 @@ fn render_demo(p: &DemoParams, r: &DemoReport) -> String {
 }
 
 fn cmd_sweep(a: &DemoArgs, p: &DemoParams, chunks: &[u32]) -> Result<(), Failure> {
-    if let Some(&c) = chunks.iter().find(|&&c| c < p.topk) {
-        return Err(Failure::Usage(format!(
-            "invalid --sweep-chunks value \"{c}\": every selected chunk needs a slot, values must be >= --topk={}",
-            p.topk
-        )));
-    }
     let pb = progress_bar(p.steps * chunks.len() as u64, p.steps);
     let reports = demo::sweep(p, chunks, &mut |i, s| advance(&pb, i as u64 * p.steps + s, s, chunks[i]));
     if let Some(pb) = pb {
