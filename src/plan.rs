@@ -15,6 +15,9 @@ use std::path::Path;
 /// Most layers a model may have in all (their counts are summed in u32).
 const MAX_LAYERS: u64 = 1 << 20;
 
+/// Largest model file `--model` reads.
+const MODEL_FILE_MAX: u64 = 1 << 20;
+
 // `cbindgen:ignore` keeps these Rust-only constants out of include/kvswap.h.
 
 /// Decimal megabyte, the unit of DESIGN.md's tables.
@@ -210,8 +213,14 @@ impl Model {
     /// Loads a model file (TOML, see `integrations/models/reference.toml`).
     /// Fields left out keep the reference engine's values.
     pub fn from_toml_file(path: &Path) -> Result<Model, PlanError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| PlanError::new("--model", path.display(), format!("cannot read the file: {e}")))?;
+        let refuse = |why: String| PlanError::new("--model", path.display(), why);
+        // A model file is a few lines: refuse devices, pipes and big files
+        // instead of reading them without end (`--model /dev/zero`).
+        let meta = std::fs::metadata(path).map_err(|e| refuse(format!("cannot read the file: {e}")))?;
+        if !meta.is_file() || meta.len() > MODEL_FILE_MAX {
+            return Err(refuse(format!("not a model file: expected a regular file of at most {MODEL_FILE_MAX} bytes")));
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| refuse(format!("cannot read the file: {e}")))?;
         Model::from_toml_str(&text).map_err(|e| match e.what.as_str() {
             "--model" => PlanError { value: path.display().to_string(), ..e },
             _ => PlanError { what: format!("{} in {}", e.what, path.display()), ..e },
@@ -422,6 +431,17 @@ fn check_fits_u64(model: &Model, context: u64) -> Result<(), PlanError> {
     let rows = context as u128 + model.window as u128;
     if layers * rows * model.chunk_bytes() as u128 > u64::MAX as u128 {
         return Err(PlanError::new("--context", context, "too large: the plan's byte counts overflow 64 bits"));
+    }
+    // The DESIGN line's figures: indexer keys of every token, scorer weights.
+    if context as u128 * model.indexer_bytes_per_token as u128 > i64::MAX as u128 {
+        return Err(PlanError::new(
+            "--indexer-bytes-per-token",
+            model.indexer_bytes_per_token,
+            format!("too large: with --context {context} the indexer keys overflow 63 bits"),
+        ));
+    }
+    if model.scorer_weight_bytes > i64::MAX as u64 {
+        return Err(PlanError::new("--scorer-weight-bytes", model.scorer_weight_bytes, "must be below 2^63"));
     }
     Ok(())
 }

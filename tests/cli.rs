@@ -220,3 +220,17 @@ fn demo_limits_are_usage_errors_not_crashes() {
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("1024") && out.contains("8192") && svg.exists(), "{out}");
 }
+
+/// Inputs that used to read without end or print saturated figures.
+#[test]
+fn plan_and_fm_refuse_devices_and_overflowing_figures() {
+    let (code, _, err) = kvswap(&["plan", "--model", "/dev/zero"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--model") && err.contains("regular file"), "{err}");
+    let (code, _, err) = kvswap(&["fm", "info", "/dev/zero"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("not a regular file"), "{err}");
+    let (code, _, err) = kvswap(&["plan", "--indexer-bytes-per-token", "18446744073709551615"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--indexer-bytes-per-token"), "{err}");
+}

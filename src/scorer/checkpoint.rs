@@ -176,7 +176,12 @@ impl Checkpoint {
         let io = |e: std::io::Error| Error::new(KvswapStatus::Io, format!("cannot read checkpoint {}: {e}", path.display()));
         let named = |e: Error| Error::new(e.status, format!("checkpoint {}: {}", path.display(), e.message));
         let mut file = std::fs::File::open(path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
+        let meta = file.metadata().map_err(io)?;
+        if !meta.is_file() {
+            // A device or pipe (/dev/zero) would be read without end.
+            return Err(Error::new(KvswapStatus::Io, format!("cannot read checkpoint {}: not a regular file", path.display())));
+        }
+        let len = meta.len();
         // The header first: a file of another format is refused before its
         // data (possibly gigabytes) is read.
         if let Some(header) = read_header(&mut file, len).map_err(io)? {
