@@ -181,13 +181,8 @@ impl Config {
     /// does not fail them.
     pub fn sync_from_env() -> Result<bool> {
         let var = VARS.iter().find(|v| v.name == "KVSWAP_SYNC").expect("KVSWAP_SYNC is in the settings table");
-        for name in std::iter::once(var.name).chain(var.alias) {
-            if let Some(v) = std::env::var_os(name) {
-                let text = v.to_str().ok_or_else(|| bad(name, &v.to_string_lossy(), "UTF-8 text"))?;
-                return parse_bool(name, text);
-            }
-        }
-        Ok(Config::default().sync)
+        let sync_only = |k: &str| (k == var.name || Some(k) == var.alias).then(|| std::env::var_os(k)).flatten();
+        Ok(Self::from_os_lookup(sync_only)?.sync)
     }
 
     /// `from_lookup` over raw environment values: a value that is not UTF-8

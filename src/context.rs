@@ -7,7 +7,7 @@
 use crate::backend::{self, Backend, BackendKind, LayerOps, StreamHandle};
 use crate::config::Config;
 use crate::error::{Error, KvswapStatus, Result};
-use crate::layer::{check_pinned_cap, KvswapLayerSpec, KvswapLayerStats, LayerPlan, StagingView};
+use crate::layer::{check_pinned_cap, total_host_bytes, KvswapLayerSpec, KvswapLayerStats, LayerPlan, StagingView};
 use std::sync::{Mutex, MutexGuard};
 
 /// Field order is drop order: the layers (and their device memory) go
@@ -34,9 +34,7 @@ impl Context {
             .enumerate()
             .map(|(i, s)| LayerPlan::resolve(i, s, &config))
             .collect::<Result<Vec<_>>>()?;
-        // Each layer's bytes fit u64, not necessarily their sum: an overflow is
-        // more than any cap (the sum would wrap to a small number and pass).
-        let required = plans.iter().try_fold(0u64, |a, p| a.checked_add(p.host_bytes())).unwrap_or(u64::MAX);
+        let required = total_host_bytes(&plans);
         check_pinned_cap(required, config.pinned_mib)?;
         let backend = backend::select(&config)?;
         let layers = backend.create_layers(&plans, &config)?;

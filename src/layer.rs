@@ -145,6 +145,12 @@ impl LayerPlan {
 }
 
 /// Checks `required` bytes of pinned host tier against the cap in MiB.
+/// Host tier bytes of all `plans`: u64::MAX when the sum overflows (each
+/// layer's fits u64, their sum need not; an overflow is above every cap).
+pub fn total_host_bytes(plans: &[LayerPlan]) -> u64 {
+    plans.iter().try_fold(0u64, |a, p| a.checked_add(p.host_bytes())).unwrap_or(u64::MAX)
+}
+
 pub fn check_pinned_cap(required: u64, cap_mib: u64) -> Result<()> {
     let cap = cap_mib.saturating_mul(1 << 20);
     if required > cap {

@@ -86,7 +86,7 @@ pub trait Backend: Send + Sync {
     }
     /// Bytes of host tier this backend would pin for `plans`.
     fn host_bytes(&self, plans: &[LayerPlan]) -> u64 {
-        plans.iter().try_fold(0u64, |a, p| a.checked_add(p.host_bytes())).unwrap_or(u64::MAX)
+        crate::layer::total_host_bytes(plans)
     }
 }
 

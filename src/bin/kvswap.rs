@@ -448,13 +448,11 @@ fn cmd_demo(a: DemoArgs) -> Result<(), Failure> {
                 a.topk
             )));
         }
-        let Some(&largest) = chunks.iter().max() else {
+        // Every run's settings are checked; the largest run's stand for the sweep.
+        let runs = chunks.iter().map(|&c| demo_params(&a, c)).collect::<Result<Vec<_>, _>>()?;
+        let Some(p) = runs.into_iter().max_by_key(|r| r.gpu_chunks) else {
             return Err(Failure::Usage(format!("no value of the default sweep is >= --topk={}: give --sweep-chunks", a.topk)));
         };
-        for &c in &chunks {
-            demo_params(&a, c)?;
-        }
-        let p = demo_params(&a, largest)?;
         return cmd_sweep(&a, &p, &chunks);
     }
     if a.svg.is_some() {

@@ -96,19 +96,10 @@ pub(crate) fn ctx_ref<'a>(ctx: *const KvswapContext) -> Result<&'a Context> {
     Ok(unsafe { &(*ctx).inner })
 }
 
-pub(crate) fn check_null<T>(p: *const T, name: &str) -> Result<()> {
-    if p.is_null() { Err(Error::null(name)) } else { Ok(()) }
-}
-
-/// `check_null`, then `p` aligned for T (an engine's misaligned int buffer
+/// `p` is not NULL and aligned for T (an engine's misaligned int buffer
 /// would be undefined behaviour in a Rust slice and a fault on the device).
 pub(crate) fn check_aligned<T>(p: *const T, name: &str) -> Result<()> {
-    check_null(p, name)?;
-    let align = std::mem::align_of::<T>();
-    if (p as usize) % align != 0 {
-        return Err(Error::invalid(format!("`{name}` = {p:p} is not {align}-byte aligned")));
-    }
-    Ok(())
+    crate::scorer::args::check_ptr(p as u64, std::mem::align_of::<T>() as u64, name)
 }
 
 /// Fills `*out` with the defaults of DESIGN.md's settings table.

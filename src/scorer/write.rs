@@ -141,13 +141,12 @@ fn sort_metadata(image: Vec<u8>) -> Result<Vec<u8>> {
     let broken = |what: &str| Error::invalid(format!("cannot serialize checkpoint: the safetensors crate wrote {what}"));
     let len = u64::from_le_bytes(image.get(..8).ok_or_else(|| broken("no header"))?.try_into().unwrap()) as usize;
     let header = image.get(8..8 + len).ok_or_else(|| broken("a short header"))?;
-    let mut json: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header).map_err(|_| broken("a header that is not JSON"))?;
-    if let Some(serde_json::Value::Object(m)) = json.remove("__metadata__") {
-        let sorted: std::collections::BTreeMap<String, serde_json::Value> = m.into_iter().collect();
-        let mut rebuilt = serde_json::Map::new();
-        rebuilt.insert("__metadata__".to_string(), serde_json::Value::Object(sorted.into_iter().collect()));
-        rebuilt.extend(json);
-        json = rebuilt;
+    // BTreeMaps at both levels: sorted whatever serde_json's map keeps.
+    use std::collections::BTreeMap;
+    let mut json: BTreeMap<String, serde_json::Value> = serde_json::from_slice(header).map_err(|_| broken("a header that is not JSON"))?;
+    if let Some(m) = json.get_mut("__metadata__") {
+        let sorted: BTreeMap<String, serde_json::Value> = serde_json::from_value(m.take()).map_err(|_| broken("metadata that is not a map"))?;
+        *m = serde_json::to_value(sorted).map_err(|_| broken("metadata that cannot be rewritten"))?;
     }
     let mut text = serde_json::to_vec(&json).map_err(|_| broken("a header that cannot be rewritten"))?;
     text.resize(text.len().div_ceil(8) * 8, b' ');
