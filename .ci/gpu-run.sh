@@ -3,7 +3,7 @@
 # on a machine with an NVIDIA GPU. Logs and JSON go to $OUT (or ./gpu-out).
 #   what=tests|multi|sanitize|bench|fm|all (default all), scorer|ffi|variants
 #   (kernel development), or a profiling mode:
-#   profile|sass|ncu-detail (see README.md)
+#   profile|sass|ncu-detail|pipes (see README.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -128,6 +128,16 @@ if [[ $what == ncu-detail ]]; then
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
     .gpu/kvswap bench --backend cuda --scorer --quick
   grep -E "Duration|Throughput|Stall|Issued|Eligible|Active Warps|No Eligible|Warp Cycles|smsp__pcsamp|L1|L2|DRAM|Bank" "$OUT/ncu-detail.log" | head -60
+fi
+if [[ $what == pipes ]]; then
+  # Pipe utilisation and instruction mix of the scoring kernels (one launch
+  # each after warm-up): which execution pipe a warp tile's instructions load.
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  step ncu-pipes "$NCU" --clock-control none --kernel-name "regex:${NCU_KERNELS:-fm_score_wg}" --launch-skip ${NCU_SKIP:-6} \
+    --launch-count ${NCU_COUNT:-2} --section ComputeWorkloadAnalysis --section InstructionStats --section SpeedOfLight \
+    --metrics smsp__inst_executed_pipe_alu.sum,smsp__inst_executed_pipe_fma.sum,smsp__inst_executed_pipe_fmaheavy.sum,smsp__inst_executed_pipe_fp16.sum,smsp__inst_executed_pipe_lsu.sum,smsp__inst_executed_pipe_xu.sum,smsp__inst_executed_pipe_adu.sum,smsp__inst_executed_pipe_cbu.sum,smsp__inst_executed_pipe_uniform.sum,smsp__inst_executed.sum,smsp__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,smsp__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,smsp__pipe_fmaheavy_cycles_active.avg.pct_of_peak_sustained_active,smsp__pipe_shared_cycles_active.avg.pct_of_peak_sustained_active,smsp__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed_pipe_tensor_op_gmma.sum,sm__cycles_elapsed.avg \
+    .gpu/kvswap bench --backend cuda --scorer --quick
+  grep -vE "^==PROF==|^\s*$" "$OUT/ncu-pipes.log" | grep -E "fm_score|pipe|Pipe|inst_executed|Duration|Issue|cycles" | head -120
 fi
 if [[ $what == sass ]]; then
   # Per-instruction stall samples (SASS) and the details page of the kernels

@@ -509,10 +509,12 @@ mod tests {
 
     #[test]
     fn c_round_trip_and_bad_c_values() {
-        let mut c = Config::default();
-        c.fm_ckpt = Some("/x/y.safetensors".into());
-        c.backend = BackendChoice::Cuda;
-        c.fm_ensemble = Ensemble::Mean;
+        let c = Config {
+            fm_ckpt: Some("/x/y.safetensors".into()),
+            backend: BackendChoice::Cuda,
+            fm_ensemble: Ensemble::Mean,
+            ..Config::default()
+        };
         let cc = c.to_c();
         assert_eq!(Config::from_c(&cc).unwrap(), c);
         let mut bad = cc;

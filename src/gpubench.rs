@@ -707,7 +707,7 @@ pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
     drop(tensors);
     let scorer = CudaScorer::new(&ckpt, device, false)?;
     let weight_bytes = scorer.weights().0;
-    let bench = FmBench { dev: &dev, s, scorer, meta: meta.clone(), rounds };
+    let bench = FmBench { dev: &dev, s, scorer, meta, rounds };
     let (sc, h, d, hid) = (3usize, 64usize, 128usize, 4096usize);
     let k = 512usize;
     let e = crate::config::Ensemble::Max;

@@ -199,7 +199,7 @@ impl Model {
         // Layer counts are summed in u32 (a model has thousands at most).
         let total: u64 = self.layers.iter().map(|c| c.count as u64).sum();
         if total > MAX_LAYERS {
-            return Err(PlanError::new(name("--layers", "layers".into()), total, &format!("at most {MAX_LAYERS} layers in all")));
+            return Err(PlanError::new(name("--layers", "layers".into()), total, format!("at most {MAX_LAYERS} layers in all")));
         }
         if self.kv_dim == 0 {
             return Err(PlanError::new(name("--kv-dim", "kv_dim".into()), self.kv_dim, "must be >= 1"));

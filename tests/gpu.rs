@@ -265,3 +265,102 @@ fn multi_gpu_pointers_of_another_device_are_refused() {
     assert_eq!(e.status, kvswap::KvswapStatus::WrongDevice, "pointer of device 1: {e}");
     assert!(e.message.contains("device 1"), "{e}");
 }
+
+/// Calls on another stream are ordered after the layer's last eager call,
+/// also when that stream is being captured: eager calls on stream A (not
+/// waited for), then the same layer's calls captured on stream B (each graph
+/// launch waits for A's work through an external event-wait node). The
+/// graph's result equals the CPU backend's.
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn capture_after_eager_calls_on_another_stream_matches_cpu() {
+    use cudarc::driver::sys;
+    let mut rng = Rng::fresh("gpu capture after eager");
+    let (cap, chunk, slots, window) = (256u32, 2048usize, 32u32, 4u32);
+    let specs = [spec(cap, chunk as u32)];
+    let cpu = Context::new(config(BackendChoice::Cpu, slots, false), &specs).unwrap();
+    let gpu = Context::new(config(BackendChoice::Cuda, slots, false), &specs).unwrap();
+    let mut rows = vec![0u8; cap as usize * chunk];
+    rng.fill(&mut rows);
+    let ids: Vec<i32> = (0..cap as i32).collect();
+    cpu.store_rows(0, &ids, &rows).unwrap();
+    gpu.store_rows(0, &ids, &rows).unwrap();
+    let dev = Device::open(0).unwrap();
+    let _g = dev.bind().unwrap();
+    let (a, b) = (OwnedStream::new().unwrap(), OwnedStream::new().unwrap());
+    let n_idx = (window + slots) as usize;
+    let idx_a = DeviceBuffer::alloc(4 * n_idx, "idx a").unwrap();
+    let idx_b = DeviceBuffer::alloc(4 * n_idx, "idx b").unwrap();
+    let (src_a, src_b) = (DeviceBuffer::alloc(chunk, "src a").unwrap(), DeviceBuffer::alloc(chunk, "src b").unwrap());
+    let host_idx = |rng: &mut Rng| {
+        let mut v: Vec<i32> = (0..window as i32).map(|i| -7 - i).collect();
+        let hot = rng.below(cap as u64) as u32;
+        v.extend(selection(rng, cap, slots as usize, hot));
+        v
+    };
+    let (sel_a, sel_b) = (host_idx(&mut rng), host_idx(&mut rng));
+    let (mut new_a, mut new_b) = (vec![0u8; chunk], vec![0u8; chunk]);
+    rng.fill(&mut new_a);
+    rng.fill(&mut new_b);
+    // The inputs, then the eager calls on A: queued, not waited for.
+    unsafe {
+        driver::copy_htod_async(src_a.ptr, new_a.as_ptr(), chunk, a.0).unwrap();
+        driver::copy_htod_async(src_b.ptr, new_b.as_ptr(), chunk, a.0).unwrap();
+        driver::copy_htod_async(idx_a.ptr, sel_a.as_ptr() as *const u8, 4 * n_idx, a.0).unwrap();
+        driver::copy_htod_async(idx_b.ptr, sel_b.as_ptr() as *const u8, 4 * n_idx, a.0).unwrap();
+        gpu.store_raw(0, &[3], src_a.ptr, 0, a.0 as u64).unwrap();
+        gpu.swap_in_raw(0, idx_a.ptr, window, slots, a.0 as u64).unwrap();
+    }
+    // The captured calls on B.
+    let graph = unsafe {
+        driver::check(sys::cuStreamBeginCapture_v2(b.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL), "begin capture").unwrap();
+        let r = gpu.store_raw(0, &[5], src_b.ptr, 0, b.0 as u64).and_then(|_| gpu.swap_in_raw(0, idx_b.ptr, window, slots, b.0 as u64));
+        let mut g = std::ptr::null_mut();
+        let end = sys::cuStreamEndCapture(b.0, &mut g);
+        r.unwrap();
+        driver::check(end, "end capture").unwrap();
+        let mut exec = std::ptr::null_mut();
+        driver::check(sys::cuGraphInstantiateWithFlags(&mut exec, g, 0), "instantiate").unwrap();
+        exec
+    };
+    // The CPU in the same order.
+    let (mut exp_a, mut exp_b) = (sel_a.clone(), sel_b.clone());
+    cpu.store(0, 3, &new_a).unwrap();
+    cpu.swap_in(0, &mut exp_a, window).unwrap();
+    cpu.store(0, 5, &new_b).unwrap();
+    cpu.swap_in(0, &mut exp_b, window).unwrap();
+    unsafe { driver::check(sys::cuGraphLaunch(graph, b.0), "graph launch").unwrap() };
+    b.sync().unwrap();
+    a.sync().unwrap();
+    gpu.sync().unwrap();
+    for (buf, exp, what) in [(&idx_a, &exp_a, "eager on A"), (&idx_b, &exp_b, "captured on B")] {
+        let mut got = vec![0i32; n_idx];
+        unsafe { driver::copy_dtoh_async(got.as_mut_ptr() as *mut u8, buf.ptr, 4 * n_idx, a.0).unwrap() };
+        a.sync().unwrap();
+        assert_eq!(&got, exp, "{what}: physical ids");
+    }
+    for &p in exp_b[window as usize..].iter().filter(|&&p| p >= 0) {
+        let slot = (p - window as i32) as u32;
+        assert_eq!(cpu.slot_bytes(0, slot).unwrap(), gpu.slot_bytes(0, slot).unwrap(), "slot {slot}");
+    }
+    assert_eq!(cpu.stats(0).unwrap(), gpu.stats(0).unwrap(), "stats");
+    unsafe { sys::cuGraphExecDestroy(graph) };
+}
+
+/// Device pointers are checked on every call: a range that passed once and
+/// was then freed is refused, not read by a kernel.
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn freed_range_is_refused_after_passing_once() {
+    let gpu = Context::new(config(BackendChoice::Cuda, 16, true), &[spec(64, 4096)]).unwrap();
+    let dev = Device::open(0).unwrap();
+    let _g = dev.bind().unwrap();
+    let s = OwnedStream::new().unwrap();
+    let src = DeviceBuffer::alloc(4 << 20, "src").unwrap();
+    let ptr = src.ptr;
+    unsafe { gpu.store_raw(0, &[1, 2], ptr, 4096, s.0 as u64) }.unwrap();
+    drop(src);
+    let e = unsafe { gpu.store_raw(0, &[1, 2], ptr, 4096, s.0 as u64) }.unwrap_err();
+    assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
+    assert_eq!(gpu.stats(0).unwrap().stores, 2, "the refused call stored nothing");
+}

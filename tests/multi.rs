@@ -121,7 +121,7 @@ fn contexts_on_threads_are_independent_and_survive_a_destroy() {
     for (k, ctx) in survivors.iter().enumerate() {
         let bytes = vec![0xabu8; chunk];
         ctx.store(0, 7, &bytes).unwrap();
-        let mut idx = vec![0i32, 0, 0, 0, 7];
+        let mut idx = [0i32, 0, 0, 0, 7];
         ctx.swap_in(0, &mut idx[..], 4).unwrap_or_else(|e| panic!("survivor {k}: {e}"));
         let slot = (idx[4] - 4) as u32;
         assert_eq!(ctx.slot_bytes(0, slot).unwrap(), bytes, "survivor {k}: staged bytes");

@@ -3,6 +3,11 @@
 //! panic cross the boundary, and records the text of a failure for
 //! `kvswap_last_error()` on the calling thread.
 
+// Entry points take raw pointers without being `unsafe fn`: C callers cannot
+// see the difference, and each one checks its pointers (NULL, alignment)
+// before it reads them.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
 use crate::backend::BackendKind;
 use crate::config::{Config, KvswapConfig, KVSWAP_BACKEND_CPU, KVSWAP_BACKEND_CUDA};
 use crate::context::Context;
@@ -19,6 +24,17 @@ pub use scorer::*;
 /// An engine stream: a `CUstream` on the CUDA backend (NULL is refused there:
 /// kvswap never uses the legacy default stream; `kvswap_sync` alone takes
 /// NULL, see there); ignored on the CPU backend.
+///
+/// Ordering on CUDA: a layer's call on another stream handle than its
+/// previous call (or on `CU_STREAM_PER_THREAD`, a different stream in every
+/// thread) first waits on the device for the layer's last eager call; no
+/// host wait. A call captured into a CUDA graph waits the same way (an
+/// external event-wait node, so every launch of the graph waits for the
+/// eager call before the capture) but is not itself tracked: order work
+/// after a graph launch on the launch stream, or call `kvswap_sync` with it.
+/// Calls are told apart by handle: before destroying a stream with kvswap
+/// work still pending on it, call `kvswap_sync(ctx, stream)`, since a new
+/// stream created at the same address is taken for the same stream.
 pub type KvswapStream = *mut c_void;
 
 /// Opaque handle to a kvswap context. Create with `kvswap_create`, free with

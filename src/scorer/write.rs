@@ -68,15 +68,15 @@ fn matrix(name: &str, dtype: WeightDtype, shape: [usize; 2], values: &[f32]) -> 
     let t = NewTensor::from_values(name, dtype, &shape, values.iter().map(|&v| v as f64));
     // What the loader refuses is refused here: NaN, Inf, and values that
     // overflow the dtype (1e5 in f16 is Inf).
-    for i in 0..values.len() {
+    for (i, &v) in values.iter().enumerate() {
         let stored = dtype.get(&t.data, i);
         if !stored.is_finite() {
             return Err(Error::invalid(format!(
                 "{name} element [{}, {}] is {} ({} stored as {stored} in {}): every weight must be finite",
                 i / shape[1],
                 i % shape[1],
-                values[i],
-                values[i],
+                v,
+                v,
                 dtype.name()
             )));
         }

@@ -3,6 +3,10 @@
 //! [`Error`]; resources are RAII types. The library is probed before first
 //! use, because cudarc panics when libcuda is missing.
 
+// Stream and other handles are opaque: passed to the driver (which
+// validates them), never dereferenced here.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
 use crate::error::{Error, KvswapStatus, Result};
 use cudarc::driver::sys;
 use std::ffi::{c_void, CStr};
@@ -483,10 +487,14 @@ pub unsafe fn memset_d8_async(dst: CUdeviceptr, value: u8, n: usize, s: CUstream
     check(unsafe { sys::cuMemsetD8Async(dst, value, n, s) }, "cuMemsetD8Async")
 }
 
-/// Makes `s` wait for `e` (device-side; the host does not wait).
-pub fn stream_wait_event(s: CUstream, e: &Event) -> Result<()> {
+/// Makes `s` wait for `e` (device-side; the host does not wait). While `s`
+/// is being captured the wait becomes an external event-wait node of the
+/// graph (`CU_EVENT_WAIT_EXTERNAL`): each launch of the graph then waits for
+/// the event's last record, made outside the capture.
+pub fn stream_wait_event(s: CUstream, e: &Event, capturing: bool) -> Result<()> {
+    let flags = if capturing { sys::CUevent_wait_flags::CU_EVENT_WAIT_EXTERNAL as u32 } else { 0 };
     // SAFETY: live stream and event.
-    check(unsafe { sys::cuStreamWaitEvent(s, e.0, 0) }, "cuStreamWaitEvent")
+    check(unsafe { sys::cuStreamWaitEvent(s, e.0, flags) }, "cuStreamWaitEvent")
 }
 
 /// Asynchronous fill of `n` 32-bit words.

@@ -127,12 +127,24 @@ impl Backend for CudaBackend {
         let total: u64 = self.host_bytes(plans);
         let pool = Arc::new(PinnedBuffer::alloc(total as usize)?);
         let mut layers: Vec<Box<dyn LayerOps>> = Vec::with_capacity(plans.len());
+        let mut built = Ok(());
         let mut offset = 0u64;
         for p in plans {
-            layers.push(Box::new(CudaLayer::new(sh.clone(), p, cfg, pool.clone(), offset)?));
+            match CudaLayer::new(sh.clone(), p, cfg, pool.clone(), offset) {
+                Ok(l) => layers.push(Box::new(l)),
+                Err(e) => {
+                    built = Err(e);
+                    break;
+                }
+            }
             offset += p.host_bytes();
         }
-        sh.internal.sync()?;
+        // The layers' initialisation is queued on `internal`: wait for it
+        // before they are used, and on failure before `layers` is dropped
+        // (which frees the memory those kernels write).
+        let synced = sh.internal.sync();
+        built?;
+        synced?;
         Ok(layers)
     }
 
@@ -242,12 +254,15 @@ struct CudaLayer {
     scratch: Option<DeviceBuffer>,
     strict: bool,
     validate: bool,
-    /// Recorded after each call on its stream (not while capturing).
+    /// Recorded after each call on its stream (not while capturing: a
+    /// captured call runs when the engine launches the graph).
     done: Event,
+    /// `done` holds the layer's last eager call; it stays set across
+    /// captured calls, which do not replace that record.
     recorded: bool,
-    /// Last stream and pointer ranges that passed the device checks.
-    checked_stream: usize,
-    checked_ranges: Vec<(u64, u64)>,
+    /// The stream handle of the layer's last call (`usize::MAX`: none, or
+    /// kvswap's own stream).
+    last_stream: usize,
     sh: Arc<Shared>,
 }
 
@@ -317,18 +332,25 @@ impl CudaLayer {
             strict: cfg.sync,
             validate: cfg.validate,
             recorded: false,
-            checked_stream: usize::MAX,
-            checked_ranges: Vec::new(),
+            last_stream: usize::MAX,
         };
         let s = layer.sh.internal.0;
         let mut d = layer.dev;
         let grid = (cap.max(slots).div_ceil(256)).clamp(1, 1024) as u32;
-        // SAFETY: the single parameter matches kvswap_init_layer(LayerDev).
-        unsafe { layer.sh.kernels.init.launch(grid, 256, 0, s, &mut [&mut d as *mut LayerDev as *mut c_void])? };
-        if let Some(b) = &layer._staging_buf {
-            // Zero the library-owned staging so no slot holds garbage.
-            // SAFETY: b holds b.bytes bytes.
-            unsafe { driver::memset_d8_async(b.ptr, 0, b.bytes, s)? };
+        let queued = (|| {
+            // SAFETY: the single parameter matches kvswap_init_layer(LayerDev).
+            unsafe { layer.sh.kernels.init.launch(grid, 256, 0, s, &mut [&mut d as *mut LayerDev as *mut c_void])? };
+            if let Some(b) = &layer._staging_buf {
+                // Zero the library-owned staging so no slot holds garbage.
+                // SAFETY: b holds b.bytes bytes.
+                unsafe { driver::memset_d8_async(b.ptr, 0, b.bytes, s)? };
+            }
+            Ok(())
+        })();
+        if let Err(e) = queued {
+            // The init kernel may be queued: wait before `layer` frees its memory.
+            let _ = layer.sh.internal.sync();
+            return Err(e);
         }
         Ok(layer)
     }
@@ -339,47 +361,39 @@ impl CudaLayer {
         [d.chunk_bytes, d.stride, d.staging, d.host_tier].iter().chain(extra).all(|v| v % 16 == 0)
     }
 
-    /// Checks the engine's stream (never the legacy one; of this device) and,
-    /// when it differs from the stream of this layer's previous call, orders
-    /// it after that call on the device (cuStreamWaitEvent: no host wait).
-    fn stream(&mut self, stream: StreamHandle) -> Result<CUstream> {
+    /// Checks the engine's stream on every call (never the legacy one; of
+    /// this device: a handle may have been destroyed and created again in
+    /// another context) and, when it may be another stream than that of the
+    /// layer's previous call (another handle, or `CU_STREAM_PER_THREAD`: one
+    /// handle, a different stream in every thread), orders it after the
+    /// layer's last eager call on the device (cuStreamWaitEvent: no host
+    /// wait; while capturing, an external event-wait node of the graph).
+    /// Returns the stream and whether it is being captured.
+    fn stream(&mut self, stream: StreamHandle) -> Result<(CUstream, bool)> {
         let s = stream as CUstream;
-        if stream as usize != self.checked_stream {
-            check_stream_device(&self.sh.device, s)?;
-            if self.recorded {
-                driver::stream_wait_event(s, &self.done)?;
-            }
-            self.checked_stream = stream as usize;
-        } else if stream as usize == CU_STREAM_PER_THREAD && self.recorded && !driver::is_capturing(s)? {
-            // One handle, a different stream in every thread: the previous
-            // call may have been another thread's. (Not while capturing: a
-            // captured stream does not wait on an event recorded outside
-            // its capture, as before this branch.)
-            driver::stream_wait_event(s, &self.done)?;
+        check_stream_device(&self.sh.device, s)?;
+        let capturing = driver::is_capturing(s)?;
+        let other = stream as usize != self.last_stream || stream as usize == CU_STREAM_PER_THREAD;
+        if other && self.recorded {
+            driver::stream_wait_event(s, &self.done, capturing)?;
         }
-        Ok(s)
+        self.last_stream = stream as usize;
+        Ok((s, capturing))
     }
 
-    fn check_range(&mut self, ptr: u64, bytes: u64, what: &str) -> Result<()> {
-        if self.checked_ranges.iter().any(|&(a, b)| ptr >= a && ptr.checked_add(bytes).is_some_and(|end| end <= b)) {
-            return Ok(());
-        }
-        let r = check_device_range(&self.sh.device, ptr, bytes, what)?;
-        if self.checked_ranges.len() >= 8 {
-            self.checked_ranges.remove(0);
-        }
-        self.checked_ranges.push(r);
-        Ok(())
+    /// Checks a device range on every call: a range freed and allocated
+    /// again may now be smaller or another device's, so nothing is cached.
+    fn check_range(&self, ptr: u64, bytes: u64, what: &str) -> Result<()> {
+        check_device_range(&self.sh.device, ptr, bytes, what).map(|_| ())
     }
 
-    fn after_launch(&mut self, s: CUstream) -> Result<()> {
-        if driver::is_capturing(s)? {
-            self.recorded = false;
-        } else {
-            self.done.record(s)?;
-            self.recorded = true;
-        }
-        Ok(())
+    /// Records `done` after a call's launches on `s`, also when one of them
+    /// failed (`launched`): the kernels queued before it still run and a
+    /// later wait must cover them. Captured calls are not recorded (they run
+    /// when the graph is launched); the last eager record stays.
+    fn after_launch(&mut self, s: CUstream, capturing: bool, launched: Result<()>) -> Result<()> {
+        let recorded = if capturing { Ok(()) } else { self.done.record(s).map(|()| self.recorded = true) };
+        launched.and(recorded)
     }
 
     /// Waits for this layer's last recorded call.
@@ -515,26 +529,25 @@ impl Drop for CudaLayer {
 impl LayerOps for CudaLayer {
     unsafe fn store(&mut self, ids: &[u32], src: u64, src_stride: usize, stream: StreamHandle) -> Result<()> {
         let _g = self.sh.device.bind()?;
-        let s = self.stream(stream)?;
+        let (s, capturing) = self.stream(stream)?;
         let n = self.plan.chunk_bytes as u64;
         self.check_range(src, (ids.len() as u64 - 1) * src_stride as u64 + n, "src")?;
         let pairs = dedup_last(ids);
-        self.launch_store(&pairs, src, src_stride as u64, s)?;
-        self.after_launch(s)
+        let launched = self.launch_store(&pairs, src, src_stride as u64, s);
+        self.after_launch(s, capturing, launched)
     }
 
     unsafe fn swap_in(&mut self, indices: u64, window_len: u32, count: u32, stream: StreamHandle) -> Result<()> {
         let _g = self.sh.device.bind()?;
-        let s = self.stream(stream)?;
+        let (s, capturing) = self.stream(stream)?;
         self.check_range(indices, 4 * (window_len as u64 + count as u64), "indices")?;
-        let capturing = driver::is_capturing(s)?;
         if self.strict && capturing {
             return Err(Error::invalid(
                 "KVSWAP_SYNC=1 waits for the device and cannot be captured in a CUDA graph; use KVSWAP_SYNC=0",
             ));
         }
-        self.launch_swap(indices, window_len, count, self.strict, s)?;
-        self.after_launch(s)?;
+        let launched = self.launch_swap(indices, window_len, count, self.strict, s);
+        self.after_launch(s, capturing, launched)?;
         if self.strict {
             self.wait()?;
             self.take_error(s)?;
@@ -597,7 +610,7 @@ impl LayerOps for CudaLayer {
     fn store_host(&mut self, ids: &[u32], rows: &[u8]) -> Result<()> {
         let _g = self.sh.device.bind()?;
         self.wait()?;
-        self.checked_stream = usize::MAX;
+        self.last_stream = usize::MAX;
         let s = self.sh.internal.0;
         let dst = self.scratch(rows.len())?;
         // SAFETY: scratch holds rows.len() bytes; synced before `rows` is released.
@@ -612,7 +625,7 @@ impl LayerOps for CudaLayer {
     fn swap_in_host(&mut self, indices: &mut [i32], window_len: u32) -> Result<()> {
         let _g = self.sh.device.bind()?;
         self.wait()?;
-        self.checked_stream = usize::MAX;
+        self.last_stream = usize::MAX;
         let s = self.sh.internal.0;
         let bytes = indices.len() * 4;
         let count = (indices.len() - window_len as usize) as u32;

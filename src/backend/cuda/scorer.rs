@@ -237,6 +237,38 @@ fn check_device_ptr(device: &Device, ptr: u64, bytes: u64, what: &str) -> Result
     super::check_device_range(device, ptr, bytes, what).map(|_| ())
 }
 
+/// The workspace of stream `s` in `map`, made or grown to `seqs` x `chunks`
+/// (q and w sized for `q_elems` / `w_elems` per sequence). Neither can happen
+/// while `s` is captured: the graph would address a buffer allocated inside
+/// its capture. A replaced workspace goes to `retired` (a graph captured
+/// before may still address it).
+fn workspace_for<'a>(
+    map: &'a mut HashMap<u64, Workspace>,
+    retired: &Mutex<Vec<Workspace>>,
+    s: CUstream,
+    seqs: usize,
+    chunks: usize,
+    q_elems: usize,
+    w_elems: usize,
+) -> Result<&'a Workspace> {
+    let key = workspace_key(s);
+    if !map.get(&key).is_some_and(|w| w.seqs >= seqs && w.chunks >= chunks) {
+        if driver::is_capturing(s)? {
+            return Err(Error::invalid(format!(
+                "the scorer's workspace for this stream is smaller than this call ({seqs} sequences x {chunks} chunks) \
+                 and cannot grow while the stream is captured: run the call once before capturing"
+            )));
+        }
+        let (old_s, old_c) = map.get(&key).map(|w| (w.seqs, w.chunks)).unwrap_or((0, 0));
+        let ws = Workspace::new(seqs.max(old_s), chunks.max(old_c).next_power_of_two(), q_elems, w_elems)?;
+        ws.clear(s)?;
+        if let Some(old) = map.insert(key, ws) {
+            retired.lock().unwrap_or_else(|p| p.into_inner()).push(old);
+        }
+    }
+    Ok(map.get(&key).unwrap())
+}
+
 /// The learned scorer on one GPU.
 pub struct CudaScorer {
     n_scorers: usize,
@@ -425,26 +457,9 @@ impl CudaScorer {
         self.n_scorers * self.heads
     }
 
-    /// The workspace of stream `s`, grown to `seqs` x `chunks` if needed
-    /// (not while the stream is being captured).
+    /// The workspace of stream `s`, grown to `seqs` x `chunks` if needed.
     fn workspace<'a>(&self, map: &'a mut HashMap<u64, Workspace>, s: CUstream, seqs: usize, chunks: usize) -> Result<&'a Workspace> {
-        let key = workspace_key(s);
-        let fits = map.get(&key).is_some_and(|w| w.seqs >= seqs && w.chunks >= chunks);
-        if !fits {
-            if driver::is_capturing(s)? {
-                return Err(Error::invalid(format!(
-                    "the scorer's workspace for this stream is smaller than this call ({seqs} sequences x {chunks} chunks) \
-                     and cannot grow while the stream is captured: run the call once before capturing"
-                )));
-            }
-            let (old_s, old_c) = map.get(&key).map(|w| (w.seqs, w.chunks)).unwrap_or((0, 0));
-            let ws = Workspace::new(seqs.max(old_s), chunks.max(old_c).next_power_of_two(), self.q_elems(), self.w_elems())?;
-            ws.clear(s)?;
-            if let Some(old) = map.insert(key, ws) {
-                self.retired.lock().unwrap_or_else(|p| p.into_inner()).push(old);
-            }
-        }
-        Ok(map.get(&key).unwrap())
+        workspace_for(map, &self.retired, s, seqs, chunks, self.q_elems(), self.w_elems())
     }
 
     fn check_keys(&self, k: &KeysRef, n: usize, what: &str) -> Result<u32> {
@@ -724,10 +739,13 @@ fn scorer_source() -> Result<std::borrow::Cow<'static, str>> {
     }
 }
 
+/// The bounds scorers of the process, by (device, sync).
+type BoundsByDevice = Mutex<HashMap<(i32, bool), Arc<CudaBounds>>>;
+
 impl CudaBounds {
     /// The bounds scorer of `device`, created once per process.
     pub fn get(device: i32, sync: bool) -> Result<Arc<CudaBounds>> {
-        static ALL: OnceLock<Mutex<HashMap<(i32, bool), Arc<CudaBounds>>>> = OnceLock::new();
+        static ALL: OnceLock<BoundsByDevice> = OnceLock::new();
         let all = ALL.get_or_init(Default::default);
         let mut map = all.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(b) = map.get(&(device, sync)) {
@@ -768,18 +786,7 @@ impl BoundsBackend for CudaBoundsHandle {
         check_device_ptr(dev, b.max, bytes, "bounds_max")?;
         check_device_ptr(dev, b.out, 4 * k as u64, "out_indices")?;
         let mut map = me.workspaces.lock().unwrap_or_else(|p| p.into_inner());
-        let key = workspace_key(s);
-        if !map.get(&key).is_some_and(|w| w.chunks >= b.n_chunks) {
-            if driver::is_capturing(s)? {
-                return Err(Error::invalid("the bounds workspace cannot grow while the stream is captured: run the call once before capturing"));
-            }
-            let ws = Workspace::new(1, b.n_chunks.next_power_of_two(), 0, 0)?;
-            ws.clear(s)?;
-            if let Some(old) = map.insert(key, ws) {
-                me.retired.lock().unwrap_or_else(|p| p.into_inner()).push(old);
-            }
-        }
-        let ws = map.get(&key).unwrap();
+        let ws = workspace_for(&mut map, &me.retired, s, 1, b.n_chunks, 0, 0)?;
         let sm = dev.sm_count as u32;
         let (mut q, mut lo, mut hi, mut dim, mut n) = (b.query, b.min, b.max, b.dim as u32, b.n_chunks as u32);
         let (mut skey, mut hist, mut err) = (ws.skey.ptr, ws.hist.ptr, ws.err.ptr);
