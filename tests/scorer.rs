@@ -324,6 +324,16 @@ fn library_writer_round_trip_keeps_raw_bytes() {
             assert_eq!(c.raw(t), &written.data[..], "raw bytes of {} as stored", t.name);
         }
         assert_eq!(c.file_bytes(), std::fs::metadata(&path).unwrap().len());
+        // save streams the file; its bytes are to_bytes's (sorted metadata).
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(bytes, write::to_bytes(&meta, &tensors).unwrap(), "save and to_bytes write the same file");
+        let len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header = std::str::from_utf8(&bytes[8..8 + len]).unwrap();
+        let keys: Vec<usize> = ["\"ensemble\"", "\"format\"", "\"head_dim\"", "\"hidden\"", "\"n_heads\"", "\"n_scorers\""]
+            .iter()
+            .map(|k| header.find(k).unwrap_or_else(|| panic!("{k} in {header}")))
+            .collect();
+        assert!(keys.windows(2).all(|w| w[0] < w[1]), "metadata keys sorted: {header}");
     }
 }
 

@@ -138,17 +138,9 @@ pub fn to_bytes(meta: &Meta, tensors: &[NewTensor]) -> Result<Vec<u8>> {
 /// header addresses relative to their start: reordering JSON keys leaves
 /// them in place.
 fn sort_metadata(image: Vec<u8>) -> Result<Vec<u8>> {
-    let broken = |what: &str| Error::invalid(format!("cannot serialize checkpoint: the safetensors crate wrote {what}"));
     let len = u64::from_le_bytes(image.get(..8).ok_or_else(|| broken("no header"))?.try_into().unwrap()) as usize;
     let header = image.get(8..8 + len).ok_or_else(|| broken("a short header"))?;
-    // BTreeMaps at both levels: sorted whatever serde_json's map keeps.
-    use std::collections::BTreeMap;
-    let mut json: BTreeMap<String, serde_json::Value> = serde_json::from_slice(header).map_err(|_| broken("a header that is not JSON"))?;
-    if let Some(m) = json.get_mut("__metadata__") {
-        let sorted: BTreeMap<String, serde_json::Value> = serde_json::from_value(m.take()).map_err(|_| broken("metadata that is not a map"))?;
-        *m = serde_json::to_value(sorted).map_err(|_| broken("metadata that cannot be rewritten"))?;
-    }
-    let mut text = serde_json::to_vec(&json).map_err(|_| broken("a header that cannot be rewritten"))?;
+    let mut text = sorted_header(header)?;
     text.resize(text.len().div_ceil(8) * 8, b' ');
     let mut out = Vec::with_capacity(8 + text.len() + image.len() - 8 - len);
     out.extend_from_slice(&(text.len() as u64).to_le_bytes());
@@ -157,26 +149,62 @@ fn sort_metadata(image: Vec<u8>) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Writes a checkpoint to `path`: through a temporary file in the same
-/// directory, renamed into place, created with the process's usual file
-/// permissions (0666 less the umask) so that an engine running as another
-/// user can read it.
+fn broken(what: &str) -> Error {
+    Error::invalid(format!("cannot serialize checkpoint: the safetensors crate wrote {what}"))
+}
+
+/// A safetensors JSON header with its `__metadata__` keys sorted (no padding).
+/// Reordering keys keeps the compact JSON's length.
+fn sorted_header(header: &[u8]) -> Result<Vec<u8>> {
+    // BTreeMaps at both levels: sorted whatever serde_json's map keeps.
+    use std::collections::BTreeMap;
+    let mut json: BTreeMap<String, serde_json::Value> = serde_json::from_slice(header).map_err(|_| broken("a header that is not JSON"))?;
+    if let Some(m) = json.get_mut("__metadata__") {
+        let sorted: BTreeMap<String, serde_json::Value> = serde_json::from_value(m.take()).map_err(|_| broken("metadata that is not a map"))?;
+        *m = serde_json::to_value(sorted).map_err(|_| broken("metadata that cannot be rewritten"))?;
+    }
+    serde_json::to_vec(&json).map_err(|_| broken("a header that cannot be rewritten"))
+}
+
+/// Writes a checkpoint to `path` (the bytes `to_bytes` gives, without holding
+/// a second copy of the weights in memory: the crate streams the tensors to
+/// the file and the header is sorted in place): through a temporary file in
+/// the same directory, renamed into place, created with the process's usual
+/// file permissions (0666 less the umask) so that an engine running as
+/// another user can read it.
 pub fn save(path: &Path, meta: &Meta, tensors: &[NewTensor]) -> Result<()> {
-    let image = to_bytes(meta, tensors)?;
-    let io = |e: std::io::Error| Error::new(KvswapStatus::Io, format!("cannot write checkpoint {}: {e}", path.display()));
     let name = path.file_name().ok_or_else(|| Error::invalid(format!("checkpoint path {} names no file", path.display())))?;
     let tmp = path.with_file_name(format!(".{}.tmp{}", name.to_string_lossy(), std::process::id()));
-    let written = (|| {
-        use std::io::Write;
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&image)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
+    let written = (|| -> Result<()> {
+        use std::io::{Read, Seek, SeekFrom, Write};
+        let io = |e: std::io::Error| Error::new(KvswapStatus::Io, format!("cannot write checkpoint {}: {e}", path.display()));
+        safetensors::serialize_to_file(tensors.iter().map(|t| (t.name.clone(), t)), Some(meta.to_metadata()), &tmp).map_err(|e| match e {
+            safetensors::SafeTensorError::IoError(e) => io(e),
+            e => Error::invalid(format!("cannot serialize checkpoint: {e}")),
+        })?;
+        let mut f = std::fs::OpenOptions::new().read(true).write(true).open(&tmp).map_err(io)?;
+        let mut len = [0u8; 8];
+        f.read_exact(&mut len).map_err(io)?;
+        let len = u64::from_le_bytes(len) as usize;
+        if len > 100 << 20 {
+            return Err(broken("a header above 100 MiB"));
+        }
+        let mut header = vec![0u8; len];
+        f.read_exact(&mut header).map_err(io)?;
+        let mut text = sorted_header(&header)?;
+        if text.len() > len {
+            return Err(broken("a header that grew when sorted"));
+        }
+        text.resize(len, b' ');
+        f.seek(SeekFrom::Start(8)).map_err(io)?;
+        f.write_all(&text).map_err(io)?;
+        f.sync_all().map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)
     })();
     if written.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
-    written.map_err(io)
+    written
 }
 
 /// Standard normal numbers: splitmix64 and the Box-Muller transform.
