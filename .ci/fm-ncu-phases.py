@@ -1,15 +1,20 @@
 #!/usr/bin/env python3
 """Stall samples of a wgmma scoring kernel per phase of its SASS, from the CSV that
 `.ci/gpu-run.sh sass` writes (ncu --page source --print-source sass --csv):
-    python3 .ci/fm-ncu-phases.py gpu-out/ncu-sass.csv [KERNEL, default fm_score_wg_fp8]
+    python3 .ci/fm-ncu-phases.py gpu-out/ncu-sass.csv [KERNEL, default fm_score_wg_fp8] [--opcodes]
 Phases by landmarks: the loop's back edge (a BRA after the MMA wait that
 jumps above the first HGMMA) marks the loop; the HGMMAs and the
 WARPGROUP.DEPBAR (wgmma wait) split it. Prints each phase's share of all
-samples and of executed instructions, and its top stall reasons."""
+samples and of executed instructions, and its top stall reasons. --opcodes
+adds the epilogue's samples per opcode, and for its FFMA / FMNMX / FADD lines
+the split by whether two or more source registers fall in one register bank
+(index mod 2; operands marked .reuse and RZ not counted)."""
 import csv, re, sys
 
-path = sys.argv[1] if len(sys.argv) > 1 else "gpu-out/ncu-sass.csv"
-want = sys.argv[2] if len(sys.argv) > 2 else "fm_score_wg_fp8"
+opcodes = "--opcodes" in sys.argv
+argv = [a for a in sys.argv if a != "--opcodes"]
+path = argv[1] if len(argv) > 1 else "gpu-out/ncu-sass.csv"
+want = argv[2] if len(argv) > 2 else "fm_score_wg_fp8"
 # The CSV holds one table per profiled launch, each after a "Kernel Name" row:
 # the first launch of the kernel named `want` is summarised.
 rows, kernel = [], None
@@ -72,3 +77,34 @@ for name, lo, hi in phases:
         + ", ".join(f"{n[6:]} {100 * v / total:.1f}" for n, v in sorted(by.items(), key=lambda x: -x[1])[:5] if v > 0)
     )
 print(f"samples {total:.0f}, warp instructions executed {total_instr:.0f}")
+
+if opcodes:
+    lo, hi = dep + 1, end + 1
+    part = [r for r in data if lo <= addr(r) < hi]
+
+    def opcode(text):
+        t = text.strip().split()
+        t = t[1:] if t and t[0].startswith("@") else t
+        return t[0].split(".")[0] if t else "?"
+
+    def bank_clash(text):
+        ops = text.split(None, 2)[-1] if text.strip().startswith("@") else text.split(None, 1)[-1]
+        regs = re.findall(r"\bR(\d+)(\.reuse)?", ops)[1:]  # sources (the first is the destination)
+        banks = [int(n) % 2 for n, reuse in regs if not reuse]
+        return any(banks.count(b) >= 2 for b in (0, 1))
+
+    groups = {}
+    for r in part:
+        op = opcode(src(r))
+        key = (op, bank_clash(src(r))) if op in ("FFMA", "FMNMX", "FADD") else (op, None)
+        g = groups.setdefault(key, [0, 0.0, {}])
+        g[0] += 1
+        g[1] += executed(r)
+        for n in reasons:
+            g[2][n] = g[2].get(n, 0.0) + num(r[col[n]])
+    print(f"\nepilogue by opcode ({want}): lines, samples per executed warp instruction, top reasons (share of the group's samples)")
+    for (op, clash), (lines, ex, by) in sorted(groups.items(), key=lambda kv: -sum(kv[1][2].values())):
+        smp = sum(by.values())
+        tag = op + ("" if clash is None else (" bank-clash" if clash else " no-clash"))
+        print(f"  {tag:20s} {lines:4d} lines {smp / max(ex, 1):6.3f} samples/instr  "
+              + ", ".join(f"{n[6:]} {100 * v / max(smp, 1):.0f}%" for n, v in sorted(by.items(), key=lambda x: -x[1])[:4] if v > 0))
