@@ -3,22 +3,60 @@
 //! `KVSWAP_LOG`: off, error, warn, info (default), debug, trace) or hands each
 //! line to a callback set with `kvswap_set_log_callback`.
 
+use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CString};
 use std::io::Write;
-use std::sync::{Once, RwLock};
+use std::sync::{Condvar, Mutex, MutexGuard, Once};
 
 /// Called with a log level (1 = error .. 5 = trace), a NUL-terminated line and
 /// the `user_data` given to `kvswap_set_log_callback`. It may be called from
 /// any thread that calls into kvswap.
 pub type KvswapLogCallback = Option<unsafe extern "C" fn(level: u32, line: *const c_char, user_data: *mut c_void)>;
 
+#[derive(Clone, Copy)]
 struct Sink {
     callback: KvswapLogCallback,
     user_data: usize,
 }
 
-static SINK: RwLock<Sink> = RwLock::new(Sink { callback: None, user_data: 0 });
+/// The callback in use, its generation (bumped by every replacement), and
+/// how many calls of each generation's callback are running. No lock is held
+/// while a callback runs: lines from many threads go out at once, and a
+/// callback may call into kvswap (and log) freely.
+struct State {
+    sink: Sink,
+    generation: u64,
+    running: Vec<(u64, usize)>,
+}
+
+static STATE: Mutex<State> = Mutex::new(State { sink: Sink { callback: None, user_data: 0 }, generation: 0, running: Vec::new() });
+/// Signalled when a callback call of a replaced generation returns.
+static RETURNED: Condvar = Condvar::new();
 static INIT: Once = Once::new();
+
+thread_local! {
+    /// The generations of the callback calls this thread is inside (nested
+    /// when a callback's own kvswap calls log).
+    static INSIDE: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+}
+
+fn state() -> MutexGuard<'static, State> {
+    STATE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Counts a running call of `generation`'s callback (+1 / -1).
+fn count(st: &mut State, generation: u64, up: bool) {
+    match st.running.iter().position(|&(g, _)| g == generation) {
+        Some(i) if up => st.running[i].1 += 1,
+        Some(i) => {
+            st.running[i].1 -= 1;
+            if st.running[i].1 == 0 {
+                st.running.swap_remove(i);
+            }
+        }
+        None => st.running.push((generation, 1)),
+    }
+}
 
 struct KvswapLogger;
 
@@ -31,22 +69,36 @@ impl log::Log for KvswapLogger {
             return;
         }
         let line = format!("{}", r.args());
-        // Copy the sink out so the callback runs without the lock held (it
-        // may itself call kvswap_set_log_callback).
-        let (callback, user_data) = {
-            let sink = SINK.read().unwrap_or_else(|p| p.into_inner());
-            (sink.callback, sink.user_data)
-        };
-        match callback {
-            Some(cb) => {
-                let c = CString::new(line.replace('\0', " ")).unwrap_or_default();
-                // SAFETY: the engine registered `cb` for exactly this call shape.
-                unsafe { cb(r.level() as u32, c.as_ptr(), user_data as *mut c_void) }
+        let (sink, generation) = {
+            let mut st = state();
+            let (sink, generation) = (st.sink, st.generation);
+            if sink.callback.is_some() {
+                count(&mut st, generation, true);
             }
-            None => {
-                let _ = writeln!(std::io::stderr().lock(), "{line}");
+            (sink, generation)
+        };
+        let Some(cb) = sink.callback else {
+            let _ = writeln!(std::io::stderr().lock(), "{line}");
+            return;
+        };
+        /// Ends the call's count (also if it unwinds), waking a replacement
+        /// that waits for its generation.
+        struct Running(u64);
+        impl Drop for Running {
+            fn drop(&mut self) {
+                INSIDE.with(|v| v.borrow_mut().pop());
+                let mut st = state();
+                count(&mut st, self.0, false);
+                if self.0 != st.generation {
+                    RETURNED.notify_all();
+                }
             }
         }
+        INSIDE.with(|v| v.borrow_mut().push(generation));
+        let _running = Running(generation);
+        let c = CString::new(line.replace('\0', " ")).unwrap_or_default();
+        // SAFETY: the engine registered `cb` for exactly this call shape.
+        unsafe { cb(r.level() as u32, c.as_ptr(), sink.user_data as *mut c_void) }
     }
     fn flush(&self) {}
 }
@@ -71,12 +123,23 @@ pub fn init() {
     });
 }
 
-/// Routes log lines to `callback` (None: back to stderr).
+/// Routes log lines to `callback` (None: back to stderr). Later lines go to
+/// the new callback at once; the call then waits until no other thread is
+/// inside an earlier callback, so their user data may be freed. From inside
+/// a callback it does not wait (two callbacks replacing each other would
+/// wait for each other).
 pub fn set_callback(callback: KvswapLogCallback, user_data: *mut c_void) {
     init();
-    let mut s = SINK.write().unwrap_or_else(|p| p.into_inner());
-    s.callback = callback;
-    s.user_data = user_data as usize;
+    let mut st = state();
+    st.sink = Sink { callback, user_data: user_data as usize };
+    st.generation += 1;
+    if INSIDE.with(|v| !v.borrow().is_empty()) {
+        return;
+    }
+    let now = st.generation;
+    while st.running.iter().any(|&(g, _)| g < now) {
+        st = RETURNED.wait(st).unwrap_or_else(|p| p.into_inner());
+    }
 }
 
 /// 0 = off, 1 = error, 2 = warn, 3 = info, 4 = debug, 5 = trace.

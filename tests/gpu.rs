@@ -266,16 +266,72 @@ fn multi_gpu_pointers_of_another_device_are_refused() {
     assert!(e.message.contains("device 1"), "{e}");
 }
 
-/// Calls on another stream are ordered after the layer's last eager call,
-/// also when that stream is being captured: eager calls on stream A (not
-/// waited for), then the same layer's calls captured on stream B (each graph
-/// launch waits for A's work through an external event-wait node). The
-/// graph's result equals the CPU backend's.
+/// Holds back a stream's later work until `open`: `cuStreamWaitValue32` on
+/// a pinned, device-mapped word the host writes.
+struct Gate {
+    flag: driver::PinnedBuffer,
+}
+
+impl Gate {
+    fn new() -> Gate {
+        let flag = driver::PinnedBuffer::alloc(64).unwrap();
+        // SAFETY: 64 bytes of pinned host memory.
+        unsafe { std::ptr::write_volatile(flag.host as *mut u32, 0) };
+        Gate { flag }
+    }
+    /// Work queued on `s` after this waits until `open(v)`.
+    fn close(&self, s: &OwnedStream, v: u32) {
+        use cudarc::driver::sys;
+        let geq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+        // SAFETY: flag.dev is the device address of a live pinned word.
+        driver::check(unsafe { sys::cuStreamWaitValue32_v2(s.0, self.flag.dev, v, geq) }, "cuStreamWaitValue32").unwrap();
+    }
+    fn open(&self, v: u32) {
+        // SAFETY: as in new.
+        unsafe { std::ptr::write_volatile(self.flag.host as *mut u32, v) };
+    }
+}
+
+/// Whether `s` still has work queued, after giving it 50 ms.
+fn still_waiting(s: &OwnedStream) -> bool {
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    // SAFETY: live stream.
+    let r = unsafe { cudarc::driver::sys::cuStreamQuery(s.0) };
+    r == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY
+}
+
+/// Captures `body`'s calls on `s` into an executable graph.
+fn capture(s: &OwnedStream, body: impl FnOnce() -> kvswap::Result<()>) -> (cudarc::driver::sys::CUgraphExec, cudarc::driver::sys::CUgraph) {
+    use cudarc::driver::sys;
+    // SAFETY: s is a live stream; the capture is ended on every path.
+    unsafe {
+        driver::check(sys::cuStreamBeginCapture_v2(s.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL), "begin capture").unwrap();
+        let r = body();
+        let mut g = std::ptr::null_mut();
+        let end = sys::cuStreamEndCapture(s.0, &mut g);
+        r.unwrap();
+        driver::check(end, "end capture").unwrap();
+        let mut exec = std::ptr::null_mut();
+        driver::check(sys::cuGraphInstantiateWithFlags(&mut exec, g, 0), "instantiate").unwrap();
+        (exec, g)
+    }
+}
+
+/// A layer's calls on two streams, eager and captured, are ordered on the
+/// device; a gate holds stream A's eager work back, so the order is
+/// observed, not assumed:
+/// 1. an eager call on B after a capture on B waits for an eager call on A
+///    made before the capture (the capture does not count as B's last call);
+/// 2. a graph captured on the stream of the last eager call still waits, at
+///    each launch, for eager calls on A issued before that launch.
+///
+/// Every index and staged chunk equals the CPU backend's, which runs the
+/// calls in that order.
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
-fn capture_after_eager_calls_on_another_stream_matches_cpu() {
+fn eager_and_captured_calls_on_two_streams_are_ordered() {
     use cudarc::driver::sys;
-    let mut rng = Rng::fresh("gpu capture after eager");
+    let mut rng = Rng::fresh("gpu two streams");
     let (cap, chunk, slots, window) = (256u32, 2048usize, 32u32, 4u32);
     let specs = [spec(cap, chunk as u32)];
     let cpu = Context::new(config(BackendChoice::Cpu, slots, false), &specs).unwrap();
@@ -288,63 +344,85 @@ fn capture_after_eager_calls_on_another_stream_matches_cpu() {
     let dev = Device::open(0).unwrap();
     let _g = dev.bind().unwrap();
     let (a, b) = (OwnedStream::new().unwrap(), OwnedStream::new().unwrap());
+    let gate = Gate::new();
     let n_idx = (window + slots) as usize;
-    let idx_a = DeviceBuffer::alloc(4 * n_idx, "idx a").unwrap();
-    let idx_b = DeviceBuffer::alloc(4 * n_idx, "idx b").unwrap();
-    let (src_a, src_b) = (DeviceBuffer::alloc(chunk, "src a").unwrap(), DeviceBuffer::alloc(chunk, "src b").unwrap());
-    let host_idx = |rng: &mut Rng| {
+    // Index buffers (host selection, device copy) and new chunks (host, device).
+    let sel = |rng: &mut Rng| {
         let mut v: Vec<i32> = (0..window as i32).map(|i| -7 - i).collect();
         let hot = rng.below(cap as u64) as u32;
         v.extend(selection(rng, cap, slots as usize, hot));
-        v
+        let d = DeviceBuffer::alloc(4 * n_idx, "idx").unwrap();
+        unsafe { driver::copy_htod_async(d.ptr, v.as_ptr() as *const u8, 4 * n_idx, b.0).unwrap() };
+        (v, d)
     };
-    let (sel_a, sel_b) = (host_idx(&mut rng), host_idx(&mut rng));
-    let (mut new_a, mut new_b) = (vec![0u8; chunk], vec![0u8; chunk]);
-    rng.fill(&mut new_a);
-    rng.fill(&mut new_b);
-    // The inputs, then the eager calls on A: queued, not waited for.
-    unsafe {
-        driver::copy_htod_async(src_a.ptr, new_a.as_ptr(), chunk, a.0).unwrap();
-        driver::copy_htod_async(src_b.ptr, new_b.as_ptr(), chunk, a.0).unwrap();
-        driver::copy_htod_async(idx_a.ptr, sel_a.as_ptr() as *const u8, 4 * n_idx, a.0).unwrap();
-        driver::copy_htod_async(idx_b.ptr, sel_b.as_ptr() as *const u8, 4 * n_idx, a.0).unwrap();
-        gpu.store_raw(0, &[3], src_a.ptr, 0, a.0 as u64).unwrap();
-        gpu.swap_in_raw(0, idx_a.ptr, window, slots, a.0 as u64).unwrap();
-    }
-    // The captured calls on B.
-    let graph = unsafe {
-        driver::check(sys::cuStreamBeginCapture_v2(b.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL), "begin capture").unwrap();
-        let r = gpu.store_raw(0, &[5], src_b.ptr, 0, b.0 as u64).and_then(|_| gpu.swap_in_raw(0, idx_b.ptr, window, slots, b.0 as u64));
-        let mut g = std::ptr::null_mut();
-        let end = sys::cuStreamEndCapture(b.0, &mut g);
-        r.unwrap();
-        driver::check(end, "end capture").unwrap();
-        let mut exec = std::ptr::null_mut();
-        driver::check(sys::cuGraphInstantiateWithFlags(&mut exec, g, 0), "instantiate").unwrap();
-        exec
+    let idx: Vec<(Vec<i32>, DeviceBuffer)> = (0..5).map(|_| sel(&mut rng)).collect();
+    let new_chunk = |rng: &mut Rng| {
+        let mut h = vec![0u8; chunk];
+        rng.fill(&mut h);
+        let d = DeviceBuffer::alloc(chunk, "src").unwrap();
+        unsafe { driver::copy_htod_async(d.ptr, h.as_ptr(), chunk, b.0).unwrap() };
+        (h, d)
     };
-    // The CPU in the same order.
-    let (mut exp_a, mut exp_b) = (sel_a.clone(), sel_b.clone());
-    cpu.store(0, 3, &new_a).unwrap();
-    cpu.swap_in(0, &mut exp_a, window).unwrap();
-    cpu.store(0, 5, &new_b).unwrap();
-    cpu.swap_in(0, &mut exp_b, window).unwrap();
-    unsafe { driver::check(sys::cuGraphLaunch(graph, b.0), "graph launch").unwrap() };
+    let (c3, c5, c7) = (new_chunk(&mut rng), new_chunk(&mut rng), new_chunk(&mut rng));
     b.sync().unwrap();
+    let swap = |i: usize, s: &OwnedStream| unsafe { gpu.swap_in_raw(0, idx[i].1.ptr, window, slots, s.0 as u64) };
+    let store = |id: i32, c: &(Vec<u8>, DeviceBuffer), s: &OwnedStream| unsafe { gpu.store_raw(0, &[id], c.1.ptr, 0, s.0 as u64) };
+
+    // 1. Warm-up on B; eager store on A, held by the gate; a capture on B;
+    //    then an eager swap-in on B must wait for A.
+    swap(0, &b).unwrap();
+    b.sync().unwrap();
+    gate.close(&a, 1);
+    store(3, &c3, &a).unwrap();
+    let (g1, g1_graph) = capture(&b, || swap(1, &b));
+    swap(2, &b).unwrap();
+    let waited_1 = still_waiting(&b);
+    gate.open(1);
     a.sync().unwrap();
+    b.sync().unwrap();
+
+    // 2. Eager on B, then a capture on B (same stream); an eager store on A
+    //    held by the gate; launching the graph on B must wait for it.
+    swap(3, &b).unwrap();
+    b.sync().unwrap();
+    let (g2, g2_graph) = capture(&b, || store(5, &c5, &b).and_then(|_| swap(4, &b)));
+    gate.close(&a, 2);
+    store(7, &c7, &a).unwrap();
+    unsafe { driver::check(sys::cuGraphLaunch(g2, b.0), "graph launch").unwrap() };
+    let waited_2 = still_waiting(&b);
+    gate.open(2);
+    a.sync().unwrap();
+    b.sync().unwrap();
     gpu.sync().unwrap();
-    for (buf, exp, what) in [(&idx_a, &exp_a, "eager on A"), (&idx_b, &exp_b, "captured on B")] {
-        let mut got = vec![0i32; n_idx];
-        unsafe { driver::copy_dtoh_async(got.as_mut_ptr() as *mut u8, buf.ptr, 4 * n_idx, a.0).unwrap() };
-        a.sync().unwrap();
-        assert_eq!(&got, exp, "{what}: physical ids");
+    unsafe {
+        for (exec, graph) in [(g1, g1_graph), (g2, g2_graph)] {
+            sys::cuGraphExecDestroy(exec);
+            sys::cuGraphDestroy(graph);
+        }
     }
-    for &p in exp_b[window as usize..].iter().filter(|&&p| p >= 0) {
+    assert!(waited_1, "an eager call on B after a capture on B ran before the eager store on A");
+    assert!(waited_2, "a graph captured on B ran before an eager store on A issued before its launch");
+
+    // The CPU in the order the device was made to follow (graph 1 never ran).
+    let mut expect: Vec<Vec<i32>> = idx.iter().map(|(v, _)| v.clone()).collect();
+    cpu.swap_in(0, &mut expect[0], window).unwrap();
+    cpu.store(0, 3, &c3.0).unwrap();
+    cpu.swap_in(0, &mut expect[2], window).unwrap();
+    cpu.swap_in(0, &mut expect[3], window).unwrap();
+    cpu.store(0, 7, &c7.0).unwrap();
+    cpu.store(0, 5, &c5.0).unwrap();
+    cpu.swap_in(0, &mut expect[4], window).unwrap();
+    for i in [0, 2, 3, 4] {
+        let mut got = vec![0i32; n_idx];
+        unsafe { driver::copy_dtoh_async(got.as_mut_ptr() as *mut u8, idx[i].1.ptr, 4 * n_idx, b.0).unwrap() };
+        b.sync().unwrap();
+        assert_eq!(got, expect[i], "index buffer {i}: physical ids");
+    }
+    for &p in expect[4][window as usize..].iter().filter(|&&p| p >= 0) {
         let slot = (p - window as i32) as u32;
         assert_eq!(cpu.slot_bytes(0, slot).unwrap(), gpu.slot_bytes(0, slot).unwrap(), "slot {slot}");
     }
     assert_eq!(cpu.stats(0).unwrap(), gpu.stats(0).unwrap(), "stats");
-    unsafe { sys::cuGraphExecDestroy(graph) };
 }
 
 /// Device pointers are checked on every call: a range that passed once and
@@ -359,6 +437,7 @@ fn freed_range_is_refused_after_passing_once() {
     let src = DeviceBuffer::alloc(4 << 20, "src").unwrap();
     let ptr = src.ptr;
     unsafe { gpu.store_raw(0, &[1, 2], ptr, 4096, s.0 as u64) }.unwrap();
+    s.sync().unwrap();
     drop(src);
     let e = unsafe { gpu.store_raw(0, &[1, 2], ptr, 4096, s.0 as u64) }.unwrap_err();
     assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");

@@ -25,16 +25,18 @@ pub use scorer::*;
 /// kvswap never uses the legacy default stream; `kvswap_sync` alone takes
 /// NULL, see there); ignored on the CPU backend.
 ///
-/// Ordering on CUDA: a layer's call on another stream handle than its
-/// previous call (or on `CU_STREAM_PER_THREAD`, a different stream in every
-/// thread) first waits on the device for the layer's last eager call; no
-/// host wait. A call captured into a CUDA graph waits the same way (an
-/// external event-wait node, so every launch of the graph waits for the
-/// eager call before the capture) but is not itself tracked: order work
-/// after a graph launch on the launch stream, or call `kvswap_sync` with it.
-/// Calls are told apart by handle: before destroying a stream with kvswap
-/// work still pending on it, call `kvswap_sync(ctx, stream)`, since a new
-/// stream created at the same address is taken for the same stream.
+/// Ordering on CUDA: a layer's eager call on another stream handle than its
+/// previous eager call (or on `CU_STREAM_PER_THREAD`, a different stream in
+/// every thread) first waits on the device for that call; no host wait.
+/// Calls of a layer captured into a CUDA graph start with an external
+/// event-wait node: every launch of the graph waits for the layer's eager
+/// calls issued before that launch. Eager calls are not ordered after a
+/// graph launch: issue them on the launch stream, or call `kvswap_sync`
+/// with it first. Within one capture, keep a layer's calls on one stream
+/// (or order them yourself). Streams are told apart by handle: before
+/// destroying a stream with kvswap work still pending on it, call
+/// `kvswap_sync(ctx, stream)`, since a new stream created at the same
+/// address is taken for the same stream.
 pub type KvswapStream = *mut c_void;
 
 /// Opaque handle to a kvswap context. Create with `kvswap_create`, free with
@@ -375,10 +377,11 @@ fn status_name(status: i32) -> *const c_char {
 
 /// Routes kvswap's log lines to `callback` (NULL: back to stderr). Lines keep
 /// the shapes documented in README.md (`kvswap_stats layer=...`). The
-/// callback may be called from any thread that is inside a kvswap call, and
-/// a line being logged while this function replaces the callback may still
-/// go to the previous one: keep the previous `user_data` valid until the
-/// kvswap calls running on other threads at that moment have returned.
+/// callback may be called from any thread that is inside a kvswap call, from
+/// several at once, and may itself call kvswap. This function returns once
+/// no other thread is inside a previous callback, which is never called
+/// again: the previous `user_data` may then be freed. Called from inside a
+/// callback it does not wait (that callback is still running).
 #[no_mangle]
 pub extern "C" fn kvswap_set_log_callback(callback: KvswapLogCallback, user_data: *mut c_void) -> KvswapStatus {
     boundary("kvswap_set_log_callback", || {

@@ -230,7 +230,10 @@ pub extern "C" fn fm_scorer_set_ensemble(scorer: *mut FmScorer, ensemble: Kvswap
 ///
 /// On the CPU backend every pointer is a host pointer and `stream` is
 /// ignored; on CUDA they are device pointers and the work is ordered on
-/// `stream`.
+/// `stream`. The first call on a stream, and a call with more chunks than
+/// any before on it, allocates the stream's workspace: make that call
+/// before capturing the stream, and not while another thread captures in
+/// `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then).
 #[no_mangle]
 pub extern "C" fn fm_score_topk(
     scorer: *const FmScorer,

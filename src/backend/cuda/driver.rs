@@ -264,6 +264,20 @@ pub fn is_capturing(s: CUstream) -> Result<bool> {
     Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
+/// The id of the capture sequence `s` is part of, or None when it is not
+/// being captured (unique per capture, so a new capture on the same stream
+/// has another id). Allowed while capturing.
+pub fn capture_id(s: CUstream) -> Result<Option<u64>> {
+    let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut id: sys::cuuint64_t = 0;
+    use std::ptr::null_mut;
+    // SAFETY: live stream handle; out-pointers are locals, the optional
+    // ones NULL.
+    let r = unsafe { sys::cuStreamGetCaptureInfo_v3(s, &mut st, &mut id, null_mut(), null_mut(), null_mut(), null_mut()) };
+    check(r, "cuStreamGetCaptureInfo")?;
+    Ok((st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE).then_some(id as u64))
+}
+
 /// The context a stream belongs to.
 pub fn stream_context(s: CUstream) -> Result<CUcontext> {
     let mut c: CUcontext = std::ptr::null_mut();

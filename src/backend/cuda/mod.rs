@@ -260,9 +260,11 @@ struct CudaLayer {
     /// `done` holds the layer's last eager call; it stays set across
     /// captured calls, which do not replace that record.
     recorded: bool,
-    /// The stream handle of the layer's last call (`usize::MAX`: none, or
-    /// kvswap's own stream).
+    /// The stream handle of the layer's last eager call (`usize::MAX`: none,
+    /// or kvswap's own stream). Captured calls leave it: they run later.
     last_stream: usize,
+    /// The capture id and stream handle of the layer's last captured call.
+    last_capture: Option<(u64, usize)>,
     sh: Arc<Shared>,
 }
 
@@ -333,6 +335,7 @@ impl CudaLayer {
             validate: cfg.validate,
             recorded: false,
             last_stream: usize::MAX,
+            last_capture: None,
         };
         let s = layer.sh.internal.0;
         let mut d = layer.dev;
@@ -363,22 +366,41 @@ impl CudaLayer {
 
     /// Checks the engine's stream on every call (never the legacy one; of
     /// this device: a handle may have been destroyed and created again in
-    /// another context) and, when it may be another stream than that of the
-    /// layer's previous call (another handle, or `CU_STREAM_PER_THREAD`: one
-    /// handle, a different stream in every thread), orders it after the
-    /// layer's last eager call on the device (cuStreamWaitEvent: no host
-    /// wait; while capturing, an external event-wait node of the graph).
-    /// Returns the stream and whether it is being captured.
-    fn stream(&mut self, stream: StreamHandle) -> Result<(CUstream, bool)> {
+    /// another context). Returns it and its capture id (None: not being
+    /// captured). Changes nothing.
+    fn stream(&self, stream: StreamHandle) -> Result<(CUstream, Option<u64>)> {
         let s = stream as CUstream;
         check_stream_device(&self.sh.device, s)?;
-        let capturing = driver::is_capturing(s)?;
-        let other = stream as usize != self.last_stream || stream as usize == CU_STREAM_PER_THREAD;
-        if other && self.recorded {
-            driver::stream_wait_event(s, &self.done, capturing)?;
+        Ok((s, driver::capture_id(s)?))
+    }
+
+    /// Orders a call on `s` (already checked, about to launch) after the
+    /// layer's eager work, on the device (cuStreamWaitEvent: no host wait):
+    /// - eager, on another stream than the last eager call (another handle,
+    ///   or `CU_STREAM_PER_THREAD`: one handle, a different stream in every
+    ///   thread): waits for that call;
+    /// - captured: the first call of the layer in each capture and stream
+    ///   adds an external event-wait node, so every launch of the graph waits
+    ///   for the layer's last eager call made before that launch (also when
+    ///   none is recorded yet: the node then waits for whatever `done`
+    ///   holds at launch).
+    fn order(&mut self, s: CUstream, stream: StreamHandle, capture: Option<u64>) -> Result<()> {
+        let handle = stream as usize;
+        match capture {
+            Some(id) => {
+                if self.last_capture != Some((id, handle)) {
+                    driver::stream_wait_event(s, &self.done, true)?;
+                    self.last_capture = Some((id, handle));
+                }
+            }
+            None => {
+                if (handle != self.last_stream || handle == CU_STREAM_PER_THREAD) && self.recorded {
+                    driver::stream_wait_event(s, &self.done, false)?;
+                }
+                self.last_stream = handle;
+            }
         }
-        self.last_stream = stream as usize;
-        Ok((s, capturing))
+        Ok(())
     }
 
     /// Checks a device range on every call: a range freed and allocated
@@ -529,25 +551,27 @@ impl Drop for CudaLayer {
 impl LayerOps for CudaLayer {
     unsafe fn store(&mut self, ids: &[u32], src: u64, src_stride: usize, stream: StreamHandle) -> Result<()> {
         let _g = self.sh.device.bind()?;
-        let (s, capturing) = self.stream(stream)?;
+        let (s, capture) = self.stream(stream)?;
         let n = self.plan.chunk_bytes as u64;
         self.check_range(src, (ids.len() as u64 - 1) * src_stride as u64 + n, "src")?;
         let pairs = dedup_last(ids);
+        self.order(s, stream, capture)?;
         let launched = self.launch_store(&pairs, src, src_stride as u64, s);
-        self.after_launch(s, capturing, launched)
+        self.after_launch(s, capture.is_some(), launched)
     }
 
     unsafe fn swap_in(&mut self, indices: u64, window_len: u32, count: u32, stream: StreamHandle) -> Result<()> {
         let _g = self.sh.device.bind()?;
-        let (s, capturing) = self.stream(stream)?;
-        self.check_range(indices, 4 * (window_len as u64 + count as u64), "indices")?;
-        if self.strict && capturing {
+        let (s, capture) = self.stream(stream)?;
+        if self.strict && capture.is_some() {
             return Err(Error::invalid(
                 "KVSWAP_SYNC=1 waits for the device and cannot be captured in a CUDA graph; use KVSWAP_SYNC=0",
             ));
         }
+        self.check_range(indices, 4 * (window_len as u64 + count as u64), "indices")?;
+        self.order(s, stream, capture)?;
         let launched = self.launch_swap(indices, window_len, count, self.strict, s);
-        self.after_launch(s, capturing, launched)?;
+        self.after_launch(s, capture.is_some(), launched)?;
         if self.strict {
             self.wait()?;
             self.take_error(s)?;
@@ -616,10 +640,11 @@ impl LayerOps for CudaLayer {
         // SAFETY: scratch holds rows.len() bytes; synced before `rows` is released.
         unsafe { driver::copy_htod_async(dst, rows.as_ptr(), rows.len(), s)? };
         let pairs = dedup_last(ids);
-        self.launch_store(&pairs, dst, self.plan.chunk_bytes as u64, s)?;
+        // Waited for also when a launch failed: earlier ones may be queued.
+        let launched = self.launch_store(&pairs, dst, self.plan.chunk_bytes as u64, s);
         driver::stream_sync(s)?;
         self.recorded = false;
-        Ok(())
+        launched
     }
 
     fn swap_in_host(&mut self, indices: &mut [i32], window_len: u32) -> Result<()> {
@@ -632,11 +657,14 @@ impl LayerOps for CudaLayer {
         let dst = self.scratch(bytes)?;
         // SAFETY: scratch holds `bytes`; every copy is synced before returning.
         unsafe { driver::copy_htod_async(dst, indices.as_ptr() as *const u8, bytes, s)? };
-        self.launch_swap(dst, window_len, count, self.strict, s)?;
-        // SAFETY: as above.
-        unsafe { driver::copy_dtoh_async(indices.as_mut_ptr() as *mut u8, dst, bytes, s)? };
+        // SAFETY (copy back): as above. Waited for also when a launch failed:
+        // earlier ones may be queued.
+        let launched = self
+            .launch_swap(dst, window_len, count, self.strict, s)
+            .and_then(|()| unsafe { driver::copy_dtoh_async(indices.as_mut_ptr() as *mut u8, dst, bytes, s) });
         driver::stream_sync(s)?;
         self.recorded = false;
+        launched?;
         if self.strict {
             self.take_error(s)?;
         }
