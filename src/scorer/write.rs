@@ -178,6 +178,15 @@ pub fn save(path: &Path, meta: &Meta, tensors: &[NewTensor]) -> Result<()> {
     let written = (|| -> Result<()> {
         use std::io::{Read, Seek, SeekFrom, Write};
         let io = |e: std::io::Error| Error::new(KvswapStatus::Io, format!("cannot write checkpoint {}: {e}", path.display()));
+        // The crate writes through a 0600 temporary file: the permissions a
+        // plain create gives here (0666 less the umask) are put back after.
+        let perms = {
+            let probe = std::fs::File::create(&tmp).map_err(io)?;
+            let perms = probe.metadata().map_err(io)?.permissions();
+            drop(probe);
+            std::fs::remove_file(&tmp).map_err(io)?;
+            perms
+        };
         safetensors::serialize_to_file(tensors.iter().map(|t| (t.name.clone(), t)), Some(meta.to_metadata()), &tmp).map_err(|e| match e {
             safetensors::SafeTensorError::IoError(e) => io(e),
             e => Error::invalid(format!("cannot serialize checkpoint: {e}")),
@@ -199,6 +208,7 @@ pub fn save(path: &Path, meta: &Meta, tensors: &[NewTensor]) -> Result<()> {
         f.seek(SeekFrom::Start(8)).map_err(io)?;
         f.write_all(&text).map_err(io)?;
         f.sync_all().map_err(io)?;
+        std::fs::set_permissions(&tmp, perms).map_err(io)?;
         std::fs::rename(&tmp, path).map_err(io)
     })();
     if written.is_err() {
