@@ -14,6 +14,10 @@
 #include <stdint.h>
 
 
+// The oldest driver the CUDA backend runs on: CUDA 12.3, the first with
+// `cuStreamGetCaptureInfo_v3`.
+#define MIN_DRIVER_VERSION 12030
+
 // Longest checkpoint path (including the terminating NUL) a `KvswapConfig` holds.
 #define KVSWAP_PATH_MAX 4096
 
@@ -142,11 +146,19 @@ typedef struct KvswapLayerSpec {
 // event-wait node: every launch of the graph waits for the layer's eager
 // calls issued before that launch. Eager calls are not ordered after a
 // graph launch: issue them on the launch stream, or call `kvswap_sync`
-// with it first. Within one capture, keep a layer's calls on one stream
-// (or order them yourself). Streams are told apart by handle: before
-// destroying a stream with kvswap work still pending on it, call
-// `kvswap_sync(ctx, stream)`, since a new stream created at the same
-// address is taken for the same stream.
+// with it first. Launches of graphs that use the same layer are not ordered
+// with each other either: launch them on one stream (or order them
+// yourself), and within one capture keep a layer's calls on one stream.
+// Streams are told apart by handle: before destroying a stream with kvswap
+// work still pending on it, call `kvswap_sync(ctx, stream)`, since a new
+// stream created at the same address is taken for the same stream.
+//
+// Calls that wait for the device (`KVSWAP_SYNC=1` calls, `kvswap_sync`,
+// `kvswap_layer_stats`, `fm_scorer_sync`) or allocate (`kvswap_create`, a
+// scorer's first call on a stream) must not run while another thread
+// captures in `cudaStreamCaptureModeGlobal`: CUDA invalidates that
+// capture. Capture in thread-local or relaxed mode, or make such calls
+// before or after it.
 typedef void *KvswapStream;
 
 // Counters of one layer since the context was created.
@@ -384,7 +396,12 @@ const char *kvswap_status_name(int32_t status);
 // several at once, and may itself call kvswap. This function returns once
 // no other thread is inside a previous callback, which is never called
 // again: the previous `user_data` may then be freed. Called from inside a
-// callback it does not wait (that callback is still running).
+// callback it does not wait (that callback is still running), and it does
+// nothing when another thread has replaced the callback since that
+// callback was called (the later replacement stands). It waits
+// without a time limit, so do not call it while holding a lock a running
+// callback may wait for, and a callback must not wait for another thread
+// that calls it.
 enum KvswapStatus kvswap_set_log_callback(KvswapLogCallback callback, void *user_data);
 
 // Sets the log level: 0 off, 1 error, 2 warn, 3 info (default), 4 debug, 5 trace.

@@ -35,8 +35,9 @@ static RETURNED: Condvar = Condvar::new();
 static INIT: Once = Once::new();
 
 thread_local! {
-    /// The generations of the callback calls this thread is inside (nested
-    /// when a callback's own kvswap calls log).
+    /// Per callback call this thread is inside (nested when a callback's own
+    /// kvswap calls log): the generation it knows as current (its own, or
+    /// the one its replacement from inside made).
     static INSIDE: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -82,11 +83,13 @@ impl log::Log for KvswapLogger {
             return;
         };
         /// Ends the call's count (also if it unwinds), waking a replacement
-        /// that waits for its generation.
-        struct Running(u64);
+        /// that waits for its generation. Made right after the count went up.
+        struct Running(u64, bool);
         impl Drop for Running {
             fn drop(&mut self) {
-                INSIDE.with(|v| v.borrow_mut().pop());
+                if self.1 {
+                    let _ = INSIDE.try_with(|v| v.borrow_mut().pop());
+                }
                 let mut st = state();
                 count(&mut st, self.0, false);
                 if self.0 != st.generation {
@@ -94,8 +97,10 @@ impl log::Log for KvswapLogger {
                 }
             }
         }
-        INSIDE.with(|v| v.borrow_mut().push(generation));
-        let _running = Running(generation);
+        let mut running = Running(generation, false);
+        // (Not available while the thread's locals are torn down: a line
+        // logged from a destructor then goes out unmarked.)
+        running.1 = INSIDE.try_with(|v| v.borrow_mut().push(generation)).is_ok();
         let c = CString::new(line.replace('\0', " ")).unwrap_or_default();
         // SAFETY: the engine registered `cb` for exactly this call shape.
         unsafe { cb(r.level() as u32, c.as_ptr(), sink.user_data as *mut c_void) }
@@ -127,15 +132,27 @@ pub fn init() {
 /// the new callback at once; the call then waits until no other thread is
 /// inside an earlier callback, so their user data may be freed. From inside
 /// a callback it does not wait (two callbacks replacing each other would
-/// wait for each other).
+/// wait for each other), and does nothing once another thread has replaced
+/// the callback since that callback was called.
 pub fn set_callback(callback: KvswapLogCallback, user_data: *mut c_void) {
     init();
     let mut st = state();
-    st.sink = Sink { callback, user_data: user_data as usize };
-    st.generation += 1;
-    if INSIDE.with(|v| !v.borrow().is_empty()) {
+    let next = Sink { callback, user_data: user_data as usize };
+    // From inside a callback: no wait, and no effect once another thread has
+    // replaced the callback since this call began (that replacement has
+    // waited for this callback and its caller may have freed what it uses).
+    let inside = INSIDE.try_with(|v| v.borrow().last().copied()).ok().flatten();
+    if let Some(known) = inside {
+        if known == st.generation {
+            st.sink = next;
+            st.generation += 1;
+            let now = st.generation;
+            let _ = INSIDE.try_with(|v| v.borrow_mut().last_mut().map(|g| *g = now));
+        }
         return;
     }
+    st.sink = next;
+    st.generation += 1;
     let now = st.generation;
     while st.running.iter().any(|&(g, _)| g < now) {
         st = RETURNED.wait(st).unwrap_or_else(|p| p.into_inner());

@@ -39,6 +39,18 @@ unsafe extern "C" fn slow_probe(_level: u32, _line: *const c_char, user_data: *m
     p.calls.fetch_add(1, Ordering::SeqCst);
 }
 
+/// `slow_probe`, and every 7th call replaces the callback from inside with
+/// itself and the same probe (a replacement that must not wait).
+unsafe extern "C" fn replacing_probe(level: u32, line: *const c_char, user_data: *mut c_void) {
+    // SAFETY: as slow_probe.
+    unsafe { slow_probe(level, line, user_data) };
+    // SAFETY: as slow_probe.
+    let p = unsafe { &*(user_data as *const Probe) };
+    if p.calls.load(Ordering::SeqCst) % 7 == 0 {
+        assert_eq!(kvswap_set_log_callback(Some(replacing_probe), user_data), KvswapStatus::Ok);
+    }
+}
+
 /// Logs, and replaces the callback from inside itself (with itself).
 unsafe extern "C" fn reentrant(_level: u32, _line: *const c_char, user_data: *mut c_void) {
     // SAFETY: user_data is an AtomicUsize that outlives the test.
@@ -105,6 +117,59 @@ fn replaced_callback_is_never_called_after_the_replacement_returns() {
     let late: usize = probes.iter().map(|p| p.late.load(Ordering::SeqCst)).sum();
     assert!(calls > 300, "the callbacks ran ({calls} calls for {lines} lines)");
     assert_eq!(late, 0, "{late} calls reached a callback after its replacement returned ({calls} calls)");
+
+    // Part 3: as part 1, but the callbacks also replace the callback from
+    // inside themselves (with their own probe), and two threads replace
+    // from outside at once: no deadlock, and no probe released by an
+    // outside replacement is seen again.
+    let stop = Arc::new(AtomicBool::new(false));
+    let loggers: Vec<_> = (0..4)
+        .map(|t| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                while !stop.load(Ordering::SeqCst) {
+                    log::info!("logger {t} line {n}");
+                    n += 1;
+                }
+            })
+        })
+        .collect();
+    let probes: Arc<Mutex<Vec<Box<Probe>>>> = Arc::new(Mutex::new(Vec::new()));
+    let replacers: Vec<_> = (0..2)
+        .map(|_| {
+            let probes = probes.clone();
+            std::thread::spawn(move || {
+                for _ in 0..150 {
+                    std::thread::sleep(Duration::from_micros(50));
+                    let next = Probe::new();
+                    assert_eq!(kvswap_set_log_callback(Some(replacing_probe), &*next as *const Probe as *mut c_void), KvswapStatus::Ok);
+                    probes.lock().unwrap().push(next);
+                }
+            })
+        })
+        .collect();
+    within_30s("replacing from inside and from two threads", move || {
+        for r in replacers {
+            r.join().unwrap();
+        }
+        assert_eq!(kvswap_set_log_callback(None, std::ptr::null_mut()), KvswapStatus::Ok);
+    });
+    // Every probe was replaced by an outside call that has returned: none
+    // may be called from now on.
+    let probes3 = probes.lock().unwrap();
+    for p in probes3.iter() {
+        p.alive.store(false, Ordering::SeqCst);
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    stop.store(true, Ordering::SeqCst);
+    for l in loggers {
+        l.join().unwrap();
+    }
+    let calls3: usize = probes3.iter().map(|p| p.calls.load(Ordering::SeqCst)).sum();
+    let late3: usize = probes3.iter().map(|p| p.late.load(Ordering::SeqCst)).sum();
+    assert!(calls3 > 0, "the callbacks ran");
+    assert_eq!(late3, 0, "{late3} calls reached a callback after the last replacement returned");
 
     // Part 2: a callback that logs and replaces the callback from inside
     // itself returns, and so does the next replacement from outside.

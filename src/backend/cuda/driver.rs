@@ -46,6 +46,25 @@ pub fn check(r: sys::CUresult, what: &str) -> Result<()> {
     Err(Error::new(status, format!("{what} failed: {name}")))
 }
 
+/// The oldest driver the CUDA backend runs on: CUDA 12.3, the first with
+/// `cuStreamGetCaptureInfo_v3`.
+pub const MIN_DRIVER_VERSION: i32 = 12030;
+
+/// The driver's CUDA version (e.g. 13000 for 13.0), 0 when it cannot say.
+pub fn driver_version() -> i32 {
+    static VERSION: OnceLock<i32> = OnceLock::new();
+    *VERSION.get_or_init(|| {
+        let mut v = 0;
+        // SAFETY: out-pointer is a local; only called once libcuda is loaded
+        // (every caller holds a device).
+        if unsafe { sys::cuDriverGetVersion(&mut v) } == sys::CUresult::CUDA_SUCCESS {
+            v
+        } else {
+            0
+        }
+    })
+}
+
 /// Loads libcuda and runs cuInit once per process; NO_DEVICE when absent.
 pub fn init() -> Result<()> {
     static INIT: OnceLock<Result<()>> = OnceLock::new();
@@ -272,7 +291,8 @@ pub fn capture_id(s: CUstream) -> Result<Option<u64>> {
     let mut id: sys::cuuint64_t = 0;
     use std::ptr::null_mut;
     // SAFETY: live stream handle; out-pointers are locals, the optional
-    // ones NULL.
+    // ones NULL. The symbol exists: CudaBackend::new refuses drivers older
+    // than MIN_DRIVER_VERSION (cudarc would panic on a missing one).
     let r = unsafe { sys::cuStreamGetCaptureInfo_v3(s, &mut st, &mut id, null_mut(), null_mut(), null_mut(), null_mut()) };
     check(r, "cuStreamGetCaptureInfo")?;
     Ok((st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE).then_some(id as u64))

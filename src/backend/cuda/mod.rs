@@ -84,6 +84,19 @@ impl CudaBackend {
     /// process and architecture).
     pub fn new(cfg: &Config) -> Result<CudaBackend> {
         let device = Device::open(cfg.device)?;
+        let v = driver::driver_version();
+        if v < driver::MIN_DRIVER_VERSION {
+            return Err(Error::new(
+                KvswapStatus::Unsupported,
+                format!(
+                    "the CUDA driver supports CUDA {}.{}; the CUDA backend needs {}.{} or newer (use the CPU backend, or update the driver)",
+                    v / 1000,
+                    v % 1000 / 10,
+                    driver::MIN_DRIVER_VERSION / 1000,
+                    driver::MIN_DRIVER_VERSION % 1000 / 10
+                ),
+            ));
+        }
         let _g = device.bind()?;
         let cubin = nvrtc::compile_cached("swap.cu", crate::kernels::SWAP_CU, device.cc)?;
         let module = Module::load(&cubin)?;
@@ -414,7 +427,22 @@ impl CudaLayer {
     /// later wait must cover them. Captured calls are not recorded (they run
     /// when the graph is launched); the last eager record stays.
     fn after_launch(&mut self, s: CUstream, capturing: bool, launched: Result<()>) -> Result<()> {
-        let recorded = if capturing { Ok(()) } else { self.done.record(s).map(|()| self.recorded = true) };
+        if capturing {
+            return launched;
+        }
+        let recorded = match self.done.record(s) {
+            Ok(()) => {
+                self.recorded = true;
+                Ok(())
+            }
+            Err(e) => {
+                // `done` still holds an older call: wait for this one here,
+                // so no later call depends on a record that was not made.
+                let _ = driver::stream_sync(s);
+                self.last_stream = usize::MAX;
+                Err(e)
+            }
+        };
         launched.and(recorded)
     }
 
