@@ -3067,7 +3067,7 @@ static void test_fm_scoring(const char *ckpt) {
          * writes -1 to the whole (single-launch) batch. */
         same3[1].hidden = bad;
         CHECK_ERR(fm_batch(s, same3, 3, 3, k, false), KVSWAP_STATUS_INVALID_ARGUMENT, "hidden");
-        if (!dm_is_cuda()) CHECK_MSG("seqs[1]");
+        CHECK_MSG(dm_is_cuda() ? "sequence 1" : "seqs[1]");
         for (int i = 0; i < 3; i++) check_all("batch with a NaN", bo[i], k, after_bad);
         CHECK_OK(fm_scorer_sync(s, dm_stream()));
         same3[1].hidden = h1;
@@ -3293,8 +3293,21 @@ static void test_fm_bounds(void) {
         fill_i32(out, 8, FM_SENTINEL);
         CHECK_ERR(bounds_topk_on(0, q_bad, lo, hi, dim, nc, 8, out), KVSWAP_STATUS_INVALID_ARGUMENT, "non-finite");
         check_all("CUDA bounds with a NaN query", out, 8, -1);
+        CHECK_OK(fm_bounds_sync(0, dm_stream())); /* KVSWAP_SYNC=1: reported by the call */
         bounds_vs_ref("CUDA bounds after a NaN query", 0, q, lo, hi, dim, nc, 8);
+        /* KVSWAP_SYNC=0: the call returns OK with -1, fm_bounds_sync reports
+         * the error once, and later calls are good again. */
+        CHECK(setenv("KVSWAP_SYNC", "0", 1) == 0);
+        fill_i32(out, 8, FM_SENTINEL);
+        CHECK_OK(bounds_topk_on(0, q_bad, lo, hi, dim, nc, 8, out));
+        check_all("CUDA bounds with a NaN query, KVSWAP_SYNC=0", out, 8, -1);
+        CHECK_ERR(fm_bounds_sync(0, dm_stream()), KVSWAP_STATUS_INVALID_ARGUMENT, "non-finite");
+        CHECK_MSG("fm_bounds_sync");
+        CHECK_OK(fm_bounds_sync(0, dm_stream()));
+        bounds_vs_ref("CUDA bounds, KVSWAP_SYNC=0, after fm_bounds_sync", 0, q, lo, hi, dim, nc, 8);
+        CHECK(unsetenv("KVSWAP_SYNC") == 0);
     }
+    CHECK_OK(fm_bounds_sync(-1, NULL)); /* the CPU reports at once */
 
     /* fm_bounds_build refusals: outputs untouched. */
     {

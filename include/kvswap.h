@@ -345,7 +345,13 @@ enum KvswapStatus kvswap_store_batch(struct KvswapContext *ctx,
 // -1; a duplicate id maps to the same slot; `count <= gpu_chunks`.
 // A chunk never stored gives `KVSWAP_STATUS_NOT_STORED` and changes nothing
 // (with `sync = 0` the entry becomes -1 and the error is returned by the next
-// `kvswap_sync` or `kvswap_layer_stats`).
+// `kvswap_sync` or `kvswap_layer_stats`). On CUDA, a `KVSWAP_VALIDATE=1`
+// mismatch is found on the device and reported the same way (by this call
+// with `sync = 1`, else later), naming one mismatching position.
+// kvswap's kernels allow programmatic dependent launch: an engine kernel
+// launched as a programmatic dependent of this call must wait
+// (`cudaGridDependencySynchronize`) before it reads the indices or the
+// staging rows, as that launch mode requires.
 enum KvswapStatus kvswap_swap_in_selected(struct KvswapContext *ctx,
                                           uint32_t layer,
                                           int32_t *indices,
@@ -433,9 +439,10 @@ enum KvswapStatus fm_scorer_info(const struct FmScorer *scorer, struct FmScorerI
 // Waits for `stream` and returns the error an earlier call on it recorded
 // on the device, clearing it. With `KVSWAP_SYNC=0` on the CUDA backend a
 // call does not wait: a NaN or infinite hidden value, key or scale then
-// writes the top-k as -1 and is reported here (or by the next call made
-// with `KVSWAP_SYNC=1`). On the CPU backend errors are returned at once and
-// this returns KVSWAP_STATUS_OK.
+// writes the top-k as -1 and is reported here (also when it was recorded by
+// a CUDA graph's replay). On the CPU backend errors are returned at once and
+// this returns KVSWAP_STATUS_OK. A stream being captured is refused
+// (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the capture.
 enum KvswapStatus fm_scorer_sync(const struct FmScorer *scorer, KvswapStream stream);
 
 // Overrides the checkpoint's ensemble: `KVSWAP_ENSEMBLE_MAX` or
@@ -487,9 +494,13 @@ enum KvswapStatus fm_score_topk(const struct FmScorer *scorer,
 // (4096).
 // Every sequence is checked before any is scored, and on failure no
 // `out_indices` is written; the message names the sequence (`seqs[i]`).
-// On the CUDA backend NaN/Inf values are found on the device instead: the
-// outputs of the affected launch (up to 64 sequences of one key dtype) are
-// written as -1 and the error names the chunk, as for `fm_score_topk`.
+// The `out_indices` of different sequences must not overlap.
+// On the CUDA backend NaN/Inf values are found on the device instead: a
+// call runs in launch groups (up to 64 sequences of one key dtype; f32,
+// then bf16, then fp8 keys, each in call order), and the outputs of the
+// group that finds one and of the call's later groups are written as -1;
+// the error names the sequence (its index in `seqs`) and the chunk or
+// hidden position, as for `fm_score_topk`.
 // The weights are read once for the whole batch (on CUDA the projections
 // of all sequences are one matrix product), so a batch is cheaper than
 // `n_seqs` single calls. `seqs` itself is host memory on every backend.
@@ -511,7 +522,8 @@ enum KvswapStatus fm_score_topk_batch(const struct FmScorer *scorer,
 // `KVSWAP_STATUS_INVALID_ARGUMENT`. `device` -1 runs on the CPU (host
 // pointers, `stream` ignored); a CUDA ordinal runs on that GPU (device
 // pointers, the engine's stream; values are checked on the device as for
-// `fm_score_topk`).
+// `fm_score_topk`: with `KVSWAP_SYNC=0` the call does not wait, writes the
+// top-k as -1 and `fm_bounds_sync` returns the error).
 enum KvswapStatus fm_bounds_topk(int32_t device,
                                  const float *query,
                                  const float *bounds_min,
@@ -521,6 +533,14 @@ enum KvswapStatus fm_bounds_topk(int32_t device,
                                  uint32_t k,
                                  int32_t *out_indices,
                                  KvswapStream stream);
+
+// Waits for `stream` and returns the error an earlier `fm_bounds_topk` on
+// `device` recorded on it with `KVSWAP_SYNC=0` (clearing it; until then
+// later calls on that stream also write -1). `device` -1 (the CPU, which
+// reports errors at once) returns KVSWAP_STATUS_OK. A stream being captured
+// is refused (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the
+// capture.
+enum KvswapStatus fm_bounds_sync(int32_t device, KvswapStream stream);
 
 // Builds per-chunk key bounds on the CPU (host pointers) for
 // `fm_bounds_topk`: `keys` holds `n_tokens` rows of `dim` elements (f32,

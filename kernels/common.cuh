@@ -18,6 +18,14 @@ __device__ __forceinline__ void record_error(u32* err, u32 code, u32 pos, u32 id
         err[2] = id;
     }
 }
+// As record_error, with a third detail word (err[3]).
+__device__ __forceinline__ void record_error3(u32* err, u32 code, u32 pos, u32 id, u32 extra) {
+    if (atomicCAS(&err[0], 0u, code) == 0u) {
+        err[1] = pos;
+        err[2] = id;
+        err[3] = extra;
+    }
+}
 
 // Inclusive prefix sum of one value per lane over a whole warp.
 __device__ __forceinline__ u32 warp_inclusive_sum(u32 x) {

@@ -51,8 +51,8 @@
 #define FM_KEYS_FP8_E4M3 2u
 
 // Error codes recorded on the device (first error wins).
-#define FM_ERR_HIDDEN 1u    // non-finite hidden state: info = scorer, position
-#define FM_ERR_SCORE 2u     // non-finite score (non-finite key, or overflow): info = chunk
+#define FM_ERR_HIDDEN 1u    // non-finite hidden state: info = scorer, position, sequence
+#define FM_ERR_SCORE 2u     // non-finite score (non-finite key, or overflow): info = chunk, sequence
 #define FM_ERR_BOUNDS 3u    // bounds of a chunk with min > max or non-finite: info = chunk
 
 // ------------------------------------------------------------------ helpers

@@ -17,6 +17,7 @@ struct ProjSeq {
 struct ProjBatch {
     u32 n;
     ProjSeq seq[FM_MAX_BATCH];
+    u16 id[FM_MAX_BATCH];  // each sequence's index in the caller's batch (error records)
 };
 
 template <typename T> __device__ __forceinline__ void load8(const T* p, float* out);
@@ -92,7 +93,7 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
         const float* h0 = B.seq[0].hidden + (u64)scorer * hidden;
         if (blockIdx.x == 0 && warp == 0) {
             for (u32 k = lane; k < hidden; k += 32)
-                if (!isfinite(h0[k])) record_error(err, FM_ERR_HIDDEN, scorer, k);
+                if (!isfinite(h0[k])) record_error3(err, FM_ERR_HIDDEN, scorer, k, B.id[0]);
         }
         if (active) {
 #pragma unroll 4
@@ -109,7 +110,7 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
         for (u32 t = threadIdx.x; t < B.n * kt; t += blockDim.x) {
             const u32 b = t / kt, k = t % kt;
             const float v = B.seq[b].hidden[(u64)scorer * hidden + k0 + k];
-            if (!isfinite(v) && blockIdx.x == 0) record_error(err, FM_ERR_HIDDEN, scorer, k0 + k);
+            if (!isfinite(v) && blockIdx.x == 0) record_error3(err, FM_ERR_HIDDEN, scorer, k0 + k, B.id[b]);
             sh_h[b * KT + k] = v;
         }
         __syncthreads();

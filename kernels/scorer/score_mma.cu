@@ -22,6 +22,7 @@ struct ScoreBatch {
     u32 mean;  // 1: ensemble mean, 0: max
     u32 pad;
     ScoreSeq seq[FM_MAX_BATCH];
+    u16 id[FM_MAX_BATCH];  // each sequence's index in the caller's batch (error records)
 };
 
 #define FM_TILE 64                              // chunks per block tile
@@ -289,7 +290,7 @@ fm_score(ScoreBatch B, u32* err) {
             else if (B.dtype == FM_KEYS_F32) stage_tile_f32(S, next * FM_TILE, sh_next);
         }
     }
-    if (bad) record_error(err, FM_ERR_SCORE, bad_chunk, blockIdx.y);
+    if (bad) record_error(err, FM_ERR_SCORE, bad_chunk, B.id[blockIdx.y]);
     allow_dependents();  // the selection may start launching as blocks finish
     __syncthreads();
     flush_hist(sh_hist, S.hist);

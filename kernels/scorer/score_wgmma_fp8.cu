@@ -328,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
         TR(9);
     }
     cp_async_wait_all();
-    if (bad) record_error(err, FM_ERR_SCORE, bad_chunk, blockIdx.y);
+    if (bad) record_error(err, FM_ERR_SCORE, bad_chunk, B.id[blockIdx.y]);
     allow_dependents();
     __syncthreads();
     TR(10);

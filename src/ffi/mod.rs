@@ -245,7 +245,13 @@ pub extern "C" fn kvswap_store_batch(
 /// -1; a duplicate id maps to the same slot; `count <= gpu_chunks`.
 /// A chunk never stored gives `KVSWAP_STATUS_NOT_STORED` and changes nothing
 /// (with `sync = 0` the entry becomes -1 and the error is returned by the next
-/// `kvswap_sync` or `kvswap_layer_stats`).
+/// `kvswap_sync` or `kvswap_layer_stats`). On CUDA, a `KVSWAP_VALIDATE=1`
+/// mismatch is found on the device and reported the same way (by this call
+/// with `sync = 1`, else later), naming one mismatching position.
+/// kvswap's kernels allow programmatic dependent launch: an engine kernel
+/// launched as a programmatic dependent of this call must wait
+/// (`cudaGridDependencySynchronize`) before it reads the indices or the
+/// staging rows, as that launch mode requires.
 #[no_mangle]
 pub extern "C" fn kvswap_swap_in_selected(
     ctx: *mut KvswapContext,

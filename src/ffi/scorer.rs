@@ -174,9 +174,10 @@ pub extern "C" fn fm_scorer_info(scorer: *const FmScorer, out: *mut FmScorerInfo
 /// Waits for `stream` and returns the error an earlier call on it recorded
 /// on the device, clearing it. With `KVSWAP_SYNC=0` on the CUDA backend a
 /// call does not wait: a NaN or infinite hidden value, key or scale then
-/// writes the top-k as -1 and is reported here (or by the next call made
-/// with `KVSWAP_SYNC=1`). On the CPU backend errors are returned at once and
-/// this returns KVSWAP_STATUS_OK.
+/// writes the top-k as -1 and is reported here (also when it was recorded by
+/// a CUDA graph's replay). On the CPU backend errors are returned at once and
+/// this returns KVSWAP_STATUS_OK. A stream being captured is refused
+/// (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the capture.
 #[no_mangle]
 pub extern "C" fn fm_scorer_sync(scorer: *const FmScorer, stream: KvswapStream) -> KvswapStatus {
     boundary("fm_scorer_sync", || scorer_ref(scorer)?.sync(stream as u64))
@@ -261,9 +262,13 @@ pub extern "C" fn fm_score_topk(
 /// (4096).
 /// Every sequence is checked before any is scored, and on failure no
 /// `out_indices` is written; the message names the sequence (`seqs[i]`).
-/// On the CUDA backend NaN/Inf values are found on the device instead: the
-/// outputs of the affected launch (up to 64 sequences of one key dtype) are
-/// written as -1 and the error names the chunk, as for `fm_score_topk`.
+/// The `out_indices` of different sequences must not overlap.
+/// On the CUDA backend NaN/Inf values are found on the device instead: a
+/// call runs in launch groups (up to 64 sequences of one key dtype; f32,
+/// then bf16, then fp8 keys, each in call order), and the outputs of the
+/// group that finds one and of the call's later groups are written as -1;
+/// the error names the sequence (its index in `seqs`) and the chunk or
+/// hidden position, as for `fm_score_topk`.
 /// The weights are read once for the whole batch (on CUDA the projections
 /// of all sequences are one matrix product), so a batch is cheaper than
 /// `n_seqs` single calls. `seqs` itself is host memory on every backend.
@@ -277,8 +282,8 @@ pub extern "C" fn fm_score_topk_batch(
 ) -> KvswapStatus {
     boundary("fm_score_topk_batch", || {
         let s = scorer_ref(scorer)?;
-        check_aligned(seqs, "seqs")?;
         args::check_batch(n_seqs)?;
+        check_aligned(seqs, "seqs")?;
         // SAFETY: non-NULL, count checked; the engine promises `n_seqs`
         // readable FmSeq in host memory.
         let seqs = unsafe { std::slice::from_raw_parts(seqs, n_seqs) };
@@ -307,7 +312,8 @@ pub extern "C" fn fm_score_topk_batch(
 /// `KVSWAP_STATUS_INVALID_ARGUMENT`. `device` -1 runs on the CPU (host
 /// pointers, `stream` ignored); a CUDA ordinal runs on that GPU (device
 /// pointers, the engine's stream; values are checked on the device as for
-/// `fm_score_topk`).
+/// `fm_score_topk`: with `KVSWAP_SYNC=0` the call does not wait, writes the
+/// top-k as -1 and `fm_bounds_sync` returns the error).
 #[no_mangle]
 pub extern "C" fn fm_bounds_topk(
     device: i32,
@@ -333,6 +339,20 @@ pub extern "C" fn fm_bounds_topk(
         // SAFETY: the engine promises the sizes documented above; the
         // arguments are checked first.
         unsafe { scorer::bounds_topk(device, &b, k, stream as u64) }
+    })
+}
+
+/// Waits for `stream` and returns the error an earlier `fm_bounds_topk` on
+/// `device` recorded on it with `KVSWAP_SYNC=0` (clearing it; until then
+/// later calls on that stream also write -1). `device` -1 (the CPU, which
+/// reports errors at once) returns KVSWAP_STATUS_OK. A stream being captured
+/// is refused (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the
+/// capture.
+#[no_mangle]
+pub extern "C" fn fm_bounds_sync(device: i32, stream: KvswapStream) -> KvswapStatus {
+    boundary("fm_bounds_sync", || {
+        args::check_device(device)?;
+        scorer::bounds_sync(device, stream as u64)
     })
 }
 

@@ -159,6 +159,22 @@ pub unsafe fn bounds_topk(device: i32, b: &BoundsRef, k: u32, stream: StreamHand
     unsafe { backend.bounds_topk(b, k as usize, stream) }
 }
 
+/// Waits for `stream` and returns the error an earlier asynchronous
+/// `bounds_topk` on `device` recorded there (`KVSWAP_SYNC=0` on CUDA).
+pub fn bounds_sync(device: i32, stream: StreamHandle) -> Result<()> {
+    args::check_device(device)?;
+    if device == -1 {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    return crate::backend::cuda::scorer::CudaBounds::sync_errors(device, stream);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = stream;
+        backend::open_bounds(device).map(|_| ())
+    }
+}
+
 /// The C constant of an ensemble.
 pub fn ensemble_code(e: Ensemble) -> u32 {
     match e {

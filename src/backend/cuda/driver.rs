@@ -521,6 +521,15 @@ pub unsafe fn memset_d8_async(dst: CUdeviceptr, value: u8, n: usize, s: CUstream
     check(unsafe { sys::cuMemsetD8Async(dst, value, n, s) }, "cuMemsetD8Async")
 }
 
+/// Asynchronous device-to-device copy.
+///
+/// # Safety
+/// `src` and `dst` must address `bytes` bytes of device memory.
+pub unsafe fn copy_dtod_async(dst: CUdeviceptr, src: CUdeviceptr, bytes: usize, s: CUstream) -> Result<()> {
+    // SAFETY: forwarded caller contract.
+    check(unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, s) }, "cuMemcpyDtoDAsync")
+}
+
 /// Makes `s` wait for `e` (device-side; the host does not wait). While `s`
 /// is being captured the wait becomes an external event-wait node of the
 /// graph (`CU_EVENT_WAIT_EXTERNAL`): each launch of the graph then waits for

@@ -137,7 +137,16 @@ impl Backend for CudaBackend {
     fn create_layers(&self, plans: &[LayerPlan], cfg: &Config) -> Result<Vec<Box<dyn LayerOps>>> {
         let sh = &self.shared;
         let _g = sh.device.bind()?;
-        let total: u64 = self.host_bytes(plans);
+        // Each layer's host tier starts 256-byte aligned, so a layer whose
+        // chunk size is a multiple of 16 keeps the 16-byte copies whatever
+        // the sizes of the layers before it (the pinned cap counts the
+        // unpadded bytes: at most 255 more per layer).
+        const ALIGN: u64 = 256;
+        let total = plans
+            .iter()
+            .try_fold(0u64, |a, p| p.host_bytes().checked_next_multiple_of(ALIGN).and_then(|b| a.checked_add(b)))
+            .filter(|&t| t >= self.host_bytes(plans) && usize::try_from(t).is_ok())
+            .ok_or_else(|| Error::new(KvswapStatus::OutOfMemory, "the host tiers of all layers exceed the address space"))?;
         let pool = Arc::new(PinnedBuffer::alloc(total as usize)?);
         let mut layers: Vec<Box<dyn LayerOps>> = Vec::with_capacity(plans.len());
         let mut built = Ok(());
@@ -150,7 +159,7 @@ impl Backend for CudaBackend {
                     break;
                 }
             }
-            offset += p.host_bytes();
+            offset += p.host_bytes().next_multiple_of(ALIGN);
         }
         // The layers' initialisation is queued on `internal`: wait for it
         // before they are used, and on failure before `layers` is dropped

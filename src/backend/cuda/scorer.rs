@@ -43,6 +43,8 @@ const ORDER_CANDS: u32 = 64;
 const ORDER_THREADS: u32 = 512;
 // The selection state packs a sequence's tie count in 24 bits (FM_MAX_CHUNKS in kernels/scorer/topk.cu).
 const _: () = assert!(crate::scorer::FM_MAX_CHUNKS < 1 << 24);
+// Sequence indices travel as u16 (ProjBatch / ScoreBatch `id`).
+const _: () = assert!(crate::scorer::FM_MAX_SEQS <= 1 << 16);
 /// Dynamic shared memory of fm_project_*_b{1,8,64}: MAXB x KT x 4 bytes.
 const PROJECT_SMEM: [u32; 3] = [4096 * 4, 8 * 1024 * 4, 64 * 256 * 4];
 /// Weight rows per projection block (`FM_PROJ_ROWS`, one warp each).
@@ -63,6 +65,8 @@ struct ProjSeq {
 struct ProjBatch {
     n: u32,
     seq: [ProjSeq; MAX_BATCH],
+    /// Each sequence's index in the caller's batch (named by error records).
+    id: [u16; MAX_BATCH],
 }
 
 #[repr(C)]
@@ -85,6 +89,8 @@ struct ScoreBatch {
     mean: u32,
     pad: u32,
     seq: [ScoreSeq; MAX_BATCH],
+    /// Each sequence's index in the caller's batch (named by error records).
+    id: [u16; MAX_BATCH],
 }
 
 #[repr(C)]
@@ -180,8 +186,8 @@ impl Workspace {
         driver::stream_sync(s)?;
         Err(match e[0] {
             ERR_HIDDEN => Error::invalid(format!(
-                "hidden: non-finite value (NaN or infinity) in scorer {}'s input at position {}; the top-k was written as -1",
-                e[1], e[2]
+                "hidden: non-finite value (NaN or infinity) in scorer {}'s input at position {} (sequence {}); the top-k was written as -1",
+                e[1], e[2], e[3]
             )),
             ERR_SCORE => Error::invalid(format!(
                 "chunk {} (sequence {}): non-finite score (a NaN or infinite key or scale, or an f32 overflow); \
@@ -233,40 +239,100 @@ fn check_stream(device: &Device, stream: StreamHandle) -> Result<CUstream> {
     Ok(s)
 }
 
+/// Refuses a wait on a stream being captured (the wait would end the
+/// engine's capture with an error).
+fn refuse_capturing(s: CUstream) -> Result<()> {
+    if driver::is_capturing(s)? {
+        return Err(Error::invalid("the stream is being captured into a CUDA graph: wait for it after the capture ends"));
+    }
+    Ok(())
+}
+
 fn check_device_ptr(device: &Device, ptr: u64, bytes: u64, what: &str) -> Result<()> {
     super::check_device_range(device, ptr, bytes, what).map(|_| ())
 }
 
-/// The workspace of stream `s` in `map`, made or grown to `seqs` x `chunks`
-/// (q and w sized for `q_elems` / `w_elems` per sequence). Neither can happen
-/// while `s` is captured: the graph would address a buffer allocated inside
-/// its capture. A replaced workspace goes to `retired` (a graph captured
-/// before may still address it).
-fn workspace_for<'a>(
-    map: &'a mut HashMap<u64, Workspace>,
-    retired: &Mutex<Vec<Workspace>>,
-    s: CUstream,
-    seqs: usize,
-    chunks: usize,
-    q_elems: usize,
-    w_elems: usize,
-) -> Result<&'a Workspace> {
-    let key = workspace_key(s);
-    if !map.get(&key).is_some_and(|w| w.seqs >= seqs && w.chunks >= chunks) {
-        if driver::is_capturing(s)? {
-            return Err(Error::invalid(format!(
-                "the scorer's workspace for this stream is smaller than this call ({seqs} sequences x {chunks} chunks) \
-                 and cannot grow while the stream is captured: run the call once before capturing"
-            )));
-        }
-        let (old_s, old_c) = map.get(&key).map(|w| (w.seqs, w.chunks)).unwrap_or((0, 0));
-        let ws = Workspace::new(seqs.max(old_s), chunks.max(old_c).next_power_of_two(), q_elems, w_elems)?;
-        ws.clear(s)?;
-        if let Some(old) = map.insert(key, ws) {
-            retired.lock().unwrap_or_else(|p| p.into_inner()).push(old);
-        }
+/// One stream's workspace, locked for the length of a call on that stream
+/// (calls on other streams take their own).
+type Slot = Arc<Mutex<Option<Workspace>>>;
+
+/// The workspaces of a scorer, one per stream, and the ones replaced by
+/// larger ones, kept until the scorer is freed: a CUDA graph captured before
+/// the growth still addresses them (and their error records).
+#[derive(Default)]
+struct Workspaces {
+    slots: Mutex<HashMap<u64, Slot>>,
+    retired: Mutex<Vec<(u64, Workspace)>>,
+}
+
+impl Workspaces {
+    /// The slot of stream `s` (made empty on first use).
+    fn slot(&self, s: CUstream) -> Slot {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner()).entry(workspace_key(s)).or_default().clone()
     }
-    Ok(map.get(&key).unwrap())
+
+    /// `ws` (stream `s`'s) made or grown to `seqs` x `chunks` (q and w sized
+    /// for `q_elems` / `w_elems` per sequence). Neither can happen while `s`
+    /// is captured: the graph would address a buffer allocated inside its
+    /// capture. A grown workspace takes over the old one's error record, so
+    /// a pending error is still reported; the old one is retired.
+    fn ensure<'a>(
+        &self,
+        ws: &'a mut Option<Workspace>,
+        s: CUstream,
+        seqs: usize,
+        chunks: usize,
+        q_elems: usize,
+        w_elems: usize,
+    ) -> Result<&'a Workspace> {
+        if !ws.as_ref().is_some_and(|w| w.seqs >= seqs && w.chunks >= chunks) {
+            if driver::is_capturing(s)? {
+                return Err(Error::invalid(format!(
+                    "the scorer's workspace for this stream is smaller than this call ({seqs} sequences x {chunks} chunks) \
+                     and cannot grow while the stream is captured: run the call once before capturing"
+                )));
+            }
+            let (old_s, old_c) = ws.as_ref().map(|w| (w.seqs, w.chunks)).unwrap_or((0, 0));
+            let new = Workspace::new(seqs.max(old_s), chunks.max(old_c).next_power_of_two(), q_elems, w_elems)?;
+            new.clear(s)?;
+            if let Some(old) = ws.as_ref() {
+                // SAFETY: both error records are 16 bytes; synced below.
+                unsafe { driver::copy_dtod_async(new.err.ptr, old.err.ptr, 16, s)? };
+                driver::stream_sync(s)?;
+            }
+            if let Some(old) = ws.replace(new) {
+                self.retired.lock().unwrap_or_else(|p| p.into_inner()).push((workspace_key(s), old));
+            }
+        }
+        Ok(ws.as_ref().unwrap())
+    }
+
+    /// Waits for `s` and returns (clearing them) the errors its calls
+    /// recorded: in its workspace, or in one it outgrew (a graph captured
+    /// before the growth records there). The first found is returned.
+    fn take_errors(&self, s: CUstream) -> Result<()> {
+        driver::stream_sync(s)?;
+        let key = workspace_key(s);
+        let mut first = Ok(());
+        let slot = self.slots.lock().unwrap_or_else(|p| p.into_inner()).get(&key).cloned();
+        if let Some(slot) = slot {
+            if let Some(ws) = slot.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                first = ws.take_error(s);
+            }
+        }
+        for (_, ws) in self.retired.lock().unwrap_or_else(|p| p.into_inner()).iter().filter(|(k, _)| *k == key) {
+            let e = ws.take_error(s);
+            if first.is_ok() {
+                first = e;
+            }
+        }
+        first
+    }
+
+    fn clear(&self) {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.retired.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
 }
 
 /// The learned scorer on one GPU.
@@ -290,10 +356,7 @@ pub struct CudaScorer {
     /// fm_score_wg (Hopper wgmma) rather than fm_score (mma.sync).
     wgmma: bool,
     sync: bool,
-    workspaces: Mutex<HashMap<u64, Workspace>>,
-    /// Workspaces replaced by larger ones, kept until this object is freed: a
-    /// CUDA graph captured before the growth still addresses them.
-    retired: Mutex<Vec<Workspace>>,
+    workspaces: Workspaces,
     _module: Module,
     launch: Launch,
 }
@@ -438,8 +501,7 @@ impl CudaScorer {
             score_threads,
             wgmma,
             sync,
-            workspaces: Mutex::new(HashMap::new()),
-            retired: Mutex::new(Vec::new()),
+            workspaces: Workspaces::default(),
             _module: module,
             launch: Launch { device: dev, pdl },
         })
@@ -457,10 +519,6 @@ impl CudaScorer {
         self.n_scorers * self.heads
     }
 
-    /// The workspace of stream `s`, grown to `seqs` x `chunks` if needed.
-    fn workspace<'a>(&self, map: &'a mut HashMap<u64, Workspace>, s: CUstream, seqs: usize, chunks: usize) -> Result<&'a Workspace> {
-        workspace_for(map, &self.retired, s, seqs, chunks, self.q_elems(), self.w_elems())
-    }
 
     fn check_keys(&self, k: &KeysRef, n: usize, what: &str) -> Result<u32> {
         let stride = args::key_stride(k.dtype, k.row_stride, self.head_dim)?;
@@ -485,7 +543,8 @@ impl CudaScorer {
 
     /// Scores a batch whose q and w are either projected from `hidden` (the
     /// ABI) or given (`qw`: per sequence the bf16 q and f32 w, for the
-    /// benchmark's "score" scope).
+    /// benchmark's "score" scope). Every sequence is checked before anything
+    /// is launched; then one launch group per key dtype and 64 sequences.
     unsafe fn run(&self, seqs: &[SeqRef], qw: Option<&[(u64, u64)]>, k: usize, ensemble: Ensemble, stream: StreamHandle) -> Result<()> {
         let dev = self.device();
         let _g = dev.bind()?;
@@ -499,23 +558,45 @@ impl CudaScorer {
             strides.push(self.check_keys(&q.keys, q.n_chunks, &what)?);
             check_device_ptr(dev, q.out, 4 * k as u64, &format!("{what}out_indices"))?;
             if qw.is_none() {
+                // The projection of a lone sequence reads it 16 bytes at a
+                // time: a misaligned address would be a device fault that
+                // poisons the context.
+                if q.hidden % 16 != 0 {
+                    return Err(Error::invalid(format!(
+                        "{what}hidden ({:#x}): the CUDA scorer reads the hidden state 16 bytes at a time: it must be 16-byte aligned",
+                        q.hidden
+                    )));
+                }
                 check_device_ptr(dev, q.hidden, 4 * (self.n_scorers * self.hidden) as u64, &format!("{what}hidden"))?;
             }
         }
+        // Launch groups: the sequences of one key dtype (in call order), 64
+        // at a time.
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for dt in [KeyDtype::F32, KeyDtype::Bf16, KeyDtype::Fp8E4m3] {
+            let idx: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].keys.dtype == dt).collect();
+            groups.extend(idx.chunks(MAX_BATCH).map(|c| c.to_vec()));
+        }
         let max_chunks = seqs.iter().map(|q| q.n_chunks).max().unwrap_or(1);
-        let mut map = self.workspaces.lock().unwrap_or_else(|p| p.into_inner());
-        let ws = self.workspace(&mut map, s, seqs.len().min(MAX_BATCH), max_chunks)?;
+        let max_group = groups.iter().map(Vec::len).max().unwrap_or(1);
+        let slot = self.workspaces.slot(s);
+        let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
+        let ws = self.workspaces.ensure(&mut held, s, max_group, max_chunks, self.q_elems(), self.w_elems())?;
         let sm = dev.sm_count as u32;
-        for (g, group) in seqs.chunks(MAX_BATCH).enumerate() {
+        let mut err = ws.err.ptr;
+        for group in &groups {
             let b = group.len();
-            let base = g * MAX_BATCH;
-            let q_at = |i: usize| qw.map(|v| v[base + i].0).unwrap_or(ws.q.ptr + (i * self.q_elems() * 2) as u64);
-            let w_at = |i: usize| qw.map(|v| v[base + i].1).unwrap_or(ws.w.ptr + (i * self.w_elems() * 4) as u64);
-            let mut err = ws.err.ptr;
+            let dtype = seqs[group[0]].keys.dtype;
+            let mut id = [0u16; MAX_BATCH];
+            for (i, &orig) in group.iter().enumerate() {
+                id[i] = orig as u16;
+            }
+            let q_at = |i: usize| qw.map(|v| v[group[i]].0).unwrap_or(ws.q.ptr + (i * self.q_elems() * 2) as u64);
+            let w_at = |i: usize| qw.map(|v| v[group[i]].1).unwrap_or(ws.w.ptr + (i * self.w_elems() * 4) as u64);
             if qw.is_none() {
-                let mut pb = ProjBatch { n: b as u32, seq: [ProjSeq::default(); MAX_BATCH] };
-                for (i, q) in group.iter().enumerate() {
-                    pb.seq[i] = ProjSeq { hidden: q.hidden, q: q_at(i), w: w_at(i) };
+                let mut pb = ProjBatch { n: b as u32, seq: [ProjSeq::default(); MAX_BATCH], id };
+                for (i, &orig) in group.iter().enumerate() {
+                    pb.seq[i] = ProjSeq { hidden: seqs[orig].hidden, q: q_at(i), w: w_at(i) };
                 }
                 let which = if b == 1 { 0 } else if b <= 8 { 1 } else { 2 };
                 let kernel = &self.project[which];
@@ -528,18 +609,15 @@ impl CudaScorer {
             }
             let mut sb = ScoreBatch {
                 n_seqs: b as u32,
-                dtype: group[0].keys.dtype.code(),
+                dtype: dtype.code(),
                 mean: (ensemble == Ensemble::Mean) as u32,
                 pad: 0,
                 seq: [ScoreSeq::default(); MAX_BATCH],
+                id,
             };
             let mut sel = SelectBatch { n_seqs: b as u32, k: k as u32, seq: [SelectSeq::default(); MAX_BATCH] };
-            for (i, q) in group.iter().enumerate() {
-                if q.keys.dtype != group[0].keys.dtype {
-                    // One dtype per launch: split mixed batches.
-                    drop(map);
-                    return self.run_split(seqs, qw, k, ensemble, stream);
-                }
+            for (i, &orig) in group.iter().enumerate() {
+                let q = &seqs[orig];
                 let skey = ws.skey.ptr + (i * ws.chunks * 4) as u64;
                 let hist = ws.hist.ptr + (i * HIST_WORDS * 4) as u64;
                 sb.seq[i] = ScoreSeq {
@@ -549,7 +627,7 @@ impl CudaScorer {
                     w: w_at(i),
                     skey,
                     hist,
-                    stride: strides[base + i],
+                    stride: strides[orig],
                     n: q.n_chunks as u32,
                 };
                 sel.seq[i] = SelectSeq {
@@ -563,37 +641,23 @@ impl CudaScorer {
                     pad: 0,
                 };
             }
-            let tiles = group.iter().map(|q| q.n_chunks.div_ceil(self.score_tile as usize)).max().unwrap_or(1) as u32;
+            let group_chunks = group.iter().map(|&i| seqs[i].n_chunks).max().unwrap_or(1);
+            let tiles = group_chunks.div_ceil(self.score_tile as usize) as u32;
             let resident = if self.wgmma { sm } else { 2 * sm };  // blocks per SM: 1 (wgmma) or 2
             let per_seq = tiles.min((resident / b as u32).max(1));
             let mut params = kernel_params![sb, err];
             // SAFETY: parameters match fm_score(ScoreBatch, u32*); keys checked above.
-            let kernel = match (&self.score_fp8, group[0].keys.dtype) {
+            let kernel = match (&self.score_fp8, dtype) {
                 (Some(k), KeyDtype::Fp8E4m3) => k,
                 _ => &self.score,
             };
             unsafe { self.launch.dependent(kernel, (per_seq, b as u32), self.score_threads, self.score_smem, s, &mut params)? };
-            let sel_blocks = (max_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
+            let sel_blocks = (group_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
             self.select.launch(&self.launch, sel, sel_blocks, err, s)?;
         }
         if self.sync {
             driver::stream_sync(s)?;
             ws.take_error(s)?;
-        }
-        Ok(())
-    }
-
-    /// A batch mixing key dtypes: one launch sequence per dtype.
-    unsafe fn run_split(&self, seqs: &[SeqRef], qw: Option<&[(u64, u64)]>, k: usize, e: Ensemble, stream: StreamHandle) -> Result<()> {
-        for dt in [KeyDtype::F32, KeyDtype::Bf16, KeyDtype::Fp8E4m3] {
-            let idx: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].keys.dtype == dt).collect();
-            if idx.is_empty() {
-                continue;
-            }
-            let part: Vec<SeqRef> = idx.iter().map(|&i| seqs[i]).collect();
-            let part_qw: Option<Vec<(u64, u64)>> = qw.map(|v| idx.iter().map(|&i| v[i]).collect());
-            // SAFETY: a subset of the caller's sequences.
-            unsafe { self.run(&part, part_qw.as_deref(), k, e, stream)? };
         }
         Ok(())
     }
@@ -617,12 +681,8 @@ impl CudaScorer {
     pub fn sync_errors(&self, stream: StreamHandle) -> Result<()> {
         let _g = self.device().bind()?;
         let s = check_stream(self.device(), stream)?;
-        driver::stream_sync(s)?;
-        let map = self.workspaces.lock().unwrap_or_else(|p| p.into_inner());
-        match map.get(&workspace_key(s)) {
-            Some(ws) => ws.take_error(s),
-            None => Ok(()),
-        }
+        refuse_capturing(s)?;
+        self.workspaces.take_errors(s)
     }
 
     /// Bytes of the weights on the device and their dtype.
@@ -663,8 +723,7 @@ fn score_warps(scorers: usize, heads: usize) -> u32 {
 impl Drop for CudaScorer {
     fn drop(&mut self) {
         if let Ok(_g) = self.launch.device.bind() {
-            self.workspaces.lock().unwrap_or_else(|p| p.into_inner()).clear();
-            self.retired.lock().unwrap_or_else(|p| p.into_inner()).clear();
+            self.workspaces.clear();
         }
     }
 }
@@ -705,10 +764,7 @@ pub struct CudaBounds {
     bounds: Kernel,
     select: Selection,
     sync: bool,
-    workspaces: Mutex<HashMap<u64, Workspace>>,
-    /// Workspaces replaced by larger ones, kept until this object is freed: a
-    /// CUDA graph captured before the growth still addresses them.
-    retired: Mutex<Vec<Workspace>>,
+    workspaces: Workspaces,
     _module: Module,
     launch: Launch,
 }
@@ -742,11 +798,25 @@ fn scorer_source() -> Result<std::borrow::Cow<'static, str>> {
 /// The bounds scorers of the process, by (device, sync).
 type BoundsByDevice = Mutex<HashMap<(i32, bool), Arc<CudaBounds>>>;
 
+static ALL_BOUNDS: OnceLock<BoundsByDevice> = OnceLock::new();
+
 impl CudaBounds {
+    /// Waits for `stream` and returns (clearing it) an error an asynchronous
+    /// bounds call on `device` recorded there (only calls made with
+    /// `KVSWAP_SYNC=0` leave one; none made yet: nothing to wait for).
+    pub fn sync_errors(device: i32, stream: StreamHandle) -> Result<()> {
+        let found = ALL_BOUNDS.get().and_then(|all| all.lock().unwrap_or_else(|p| p.into_inner()).get(&(device, false)).cloned());
+        let Some(me) = found else { return Ok(()) };
+        let dev = &me.launch.device;
+        let _g = dev.bind()?;
+        let s = check_stream(dev, stream)?;
+        refuse_capturing(s)?;
+        me.workspaces.take_errors(s)
+    }
+
     /// The bounds scorer of `device`, created once per process.
     pub fn get(device: i32, sync: bool) -> Result<Arc<CudaBounds>> {
-        static ALL: OnceLock<BoundsByDevice> = OnceLock::new();
-        let all = ALL.get_or_init(Default::default);
+        let all = ALL_BOUNDS.get_or_init(Default::default);
         let mut map = all.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(b) = map.get(&(device, sync)) {
             return Ok(b.clone());
@@ -759,7 +829,7 @@ impl CudaBounds {
         let select = Selection::new(&module)?;
         let pdl = dev.cc.0 >= 9;
         drop(_g);
-        let b = Arc::new(CudaBounds { bounds, select, sync, workspaces: Mutex::new(HashMap::new()), retired: Mutex::new(Vec::new()), _module: module, launch: Launch { device: dev, pdl } });
+        let b = Arc::new(CudaBounds { bounds, select, sync, workspaces: Workspaces::default(), _module: module, launch: Launch { device: dev, pdl } });
         map.insert((device, sync), b.clone());
         Ok(b)
     }
@@ -785,8 +855,9 @@ impl BoundsBackend for CudaBoundsHandle {
         check_device_ptr(dev, b.min, bytes, "bounds_min")?;
         check_device_ptr(dev, b.max, bytes, "bounds_max")?;
         check_device_ptr(dev, b.out, 4 * k as u64, "out_indices")?;
-        let mut map = me.workspaces.lock().unwrap_or_else(|p| p.into_inner());
-        let ws = workspace_for(&mut map, &me.retired, s, 1, b.n_chunks, 0, 0)?;
+        let slot = me.workspaces.slot(s);
+        let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
+        let ws = me.workspaces.ensure(&mut held, s, 1, b.n_chunks, 0, 0)?;
         let sm = dev.sm_count as u32;
         let (mut q, mut lo, mut hi, mut dim, mut n) = (b.query, b.min, b.max, b.dim as u32, b.n_chunks as u32);
         let (mut skey, mut hist, mut err) = (ws.skey.ptr, ws.hist.ptr, ws.err.ptr);
