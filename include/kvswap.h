@@ -480,7 +480,10 @@ enum KvswapStatus fm_scorer_set_ensemble(struct FmScorer *scorer, KvswapEnsemble
 // `stream`. The first call on a stream, and a call with more chunks than
 // any before on it, allocates the stream's workspace: make that call
 // before capturing the stream, and not while another thread captures in
-// `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then).
+// `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then). A
+// workspace (about 12 bytes per chunk of the largest call, plus the
+// projections of up to 64 sequences) stays until the scorer is freed, one
+// per stream (and per thread using `CU_STREAM_PER_THREAD`).
 enum KvswapStatus fm_score_topk(const struct FmScorer *scorer,
                                 const float *hidden,
                                 const struct FmKeys *keys,

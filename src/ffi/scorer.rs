@@ -234,7 +234,10 @@ pub extern "C" fn fm_scorer_set_ensemble(scorer: *mut FmScorer, ensemble: Kvswap
 /// `stream`. The first call on a stream, and a call with more chunks than
 /// any before on it, allocates the stream's workspace: make that call
 /// before capturing the stream, and not while another thread captures in
-/// `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then).
+/// `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then). A
+/// workspace (about 12 bytes per chunk of the largest call, plus the
+/// projections of up to 64 sequences) stays until the scorer is freed, one
+/// per stream (and per thread using `CU_STREAM_PER_THREAD`).
 #[no_mangle]
 pub extern "C" fn fm_score_topk(
     scorer: *const FmScorer,

@@ -126,7 +126,8 @@ fn workspace_key(s: CUstream) -> u64 {
 }
 
 /// Per-stream scratch: a stream orders its own calls, so calls on different
-/// streams never share buffers.
+/// streams never share buffers. The per-chunk buffers (`skey`, `tie`) hold
+/// the chunks of one launch group back to back: `chunks` is their total.
 struct Workspace {
     seqs: usize,
     chunks: usize,
@@ -148,11 +149,11 @@ impl Workspace {
             chunks,
             q: DeviceBuffer::alloc(seqs * q_elems * 2, "scorer q")?,
             w: DeviceBuffer::alloc(seqs * w_elems * 4, "scorer w")?,
-            skey: DeviceBuffer::alloc(seqs * chunks * 4, "scorer keys")?,
+            skey: DeviceBuffer::alloc(chunks * 4, "scorer keys")?,
             hist: DeviceBuffer::alloc(seqs * HIST_WORDS * 4, "scorer histograms")?,
             state: DeviceBuffer::alloc(seqs * 16, "scorer select state")?,
             sure: DeviceBuffer::alloc(seqs * TOPK_MAX * 8, "scorer candidates")?,
-            tie: DeviceBuffer::alloc(seqs * chunks * 8, "scorer candidates")?,
+            tie: DeviceBuffer::alloc(chunks * 8, "scorer candidates")?,
             err: DeviceBuffer::alloc(16, "scorer error")?,
             readback: PinnedBuffer::alloc(16)?,
         };
@@ -271,8 +272,8 @@ impl Workspaces {
         self.slots.lock().unwrap_or_else(|p| p.into_inner()).entry(workspace_key(s)).or_default().clone()
     }
 
-    /// `ws` (stream `s`'s) made or grown to `seqs` x `chunks` (q and w sized
-    /// for `q_elems` / `w_elems` per sequence). Neither can happen while `s`
+    /// `ws` (stream `s`'s) made or grown to `seqs` sequences of `chunks`
+    /// chunks in all (q and w sized for `q_elems` / `w_elems` per sequence). Neither can happen while `s`
     /// is captured: the graph would address a buffer allocated inside its
     /// capture. A grown workspace takes over the old one's error record, so
     /// a pending error is still reported; the old one is retired.
@@ -288,7 +289,7 @@ impl Workspaces {
         if !ws.as_ref().is_some_and(|w| w.seqs >= seqs && w.chunks >= chunks) {
             if driver::is_capturing(s)? {
                 return Err(Error::invalid(format!(
-                    "the scorer's workspace for this stream is smaller than this call ({seqs} sequences x {chunks} chunks) \
+                    "the scorer's workspace for this stream is smaller than this call ({seqs} sequences, {chunks} chunks) \
                      and cannot grow while the stream is captured: run the call once before capturing"
                 )));
             }
@@ -577,7 +578,11 @@ impl CudaScorer {
             let idx: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].keys.dtype == dt).collect();
             groups.extend(idx.chunks(MAX_BATCH).map(|c| c.to_vec()));
         }
-        let max_chunks = seqs.iter().map(|q| q.n_chunks).max().unwrap_or(1);
+        // The largest group's chunks in all: each sequence's chunks lie back
+        // to back in the workspace, each run starting at a multiple of 32
+        // (128-byte lines).
+        let group_total = |g: &Vec<usize>| g.iter().map(|&i| seqs[i].n_chunks.next_multiple_of(32)).sum::<usize>();
+        let max_chunks = groups.iter().map(group_total).max().unwrap_or(1);
         let max_group = groups.iter().map(Vec::len).max().unwrap_or(1);
         let slot = self.workspaces.slot(s);
         let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
@@ -616,9 +621,12 @@ impl CudaScorer {
                 id,
             };
             let mut sel = SelectBatch { n_seqs: b as u32, k: k as u32, seq: [SelectSeq::default(); MAX_BATCH] };
+            let mut first_chunk = 0usize;
             for (i, &orig) in group.iter().enumerate() {
                 let q = &seqs[orig];
-                let skey = ws.skey.ptr + (i * ws.chunks * 4) as u64;
+                let at = first_chunk;
+                first_chunk += q.n_chunks.next_multiple_of(32);
+                let skey = ws.skey.ptr + (at * 4) as u64;
                 let hist = ws.hist.ptr + (i * HIST_WORDS * 4) as u64;
                 sb.seq[i] = ScoreSeq {
                     keys: q.keys.data,
@@ -635,7 +643,7 @@ impl CudaScorer {
                     hist,
                     st: ws.state.ptr + (i * 16) as u64,
                     sure: ws.sure.ptr + (i * TOPK_MAX * 8) as u64,
-                    tie: ws.tie.ptr + (i * ws.chunks * 8) as u64,
+                    tie: ws.tie.ptr + (at * 8) as u64,
                     out: q.out,
                     n: q.n_chunks as u32,
                     pad: 0,
