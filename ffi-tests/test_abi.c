@@ -986,6 +986,8 @@ static void test_create_destroy_info(void) {
     CHECK(out == NULL);
     CHECK_ERR(kvswap_create(&cfg, &one, 1, NULL), KVSWAP_STATUS_NULL_POINTER, "out");
     create_refused(&cfg, &one, 0, KVSWAP_STATUS_INVALID_ARGUMENT, "n_layers");
+    /* Refused before the (one-element) array is read past its end. */
+    create_refused(&cfg, &one, (size_t)KVSWAP_MAX_LAYERS + 1, KVSWAP_STATUS_OUT_OF_RANGE, "KVSWAP_MAX_LAYERS");
 
     KvswapLayerSpec bad = layer_spec(0, 64);
     create_refused(&cfg, &bad, 1, KVSWAP_STATUS_INVALID_ARGUMENT, "compressed_cap");

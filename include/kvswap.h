@@ -4,7 +4,10 @@
  *
  * Every function returns a KvswapStatus (0 = KVSWAP_STATUS_OK) unless noted;
  * on failure kvswap_last_error() gives the reason on the calling thread and
- * out-parameters are left untouched.
+ * out-parameters are left untouched. A call refused by its argument checks
+ * changes nothing; errors found on the device afterwards (non-finite scorer
+ * inputs, never-stored or out-of-range ids with sync = 0, KVSWAP_VALIDATE
+ * mismatches) are documented with each function.
  */
 
 #ifndef KVSWAP_H
@@ -14,12 +17,11 @@
 #include <stdint.h>
 
 
-// The oldest driver the CUDA backend runs on: CUDA 12.3, the first with
-// `cuStreamGetCaptureInfo_v3`.
-#define MIN_DRIVER_VERSION 12030
-
 // Longest checkpoint path (including the terminating NUL) a `KvswapConfig` holds.
 #define KVSWAP_PATH_MAX 4096
+
+// The most layers `kvswap_create` takes.
+#define KVSWAP_MAX_LAYERS (1 << 20)
 
 // Most chunks one scoring call accepts (4M = 2^22).
 #define FM_MAX_CHUNKS 4194304
@@ -129,7 +131,11 @@ typedef struct KvswapLayerSpec {
   uint64_t chunk_bytes;
   // Optional engine-owned staging buffer: the row of slot 0 (the attention
   // kernel's row `window_len`). Device memory on CUDA, host memory on the
-  // CPU backend. NULL: the library allocates it.
+  // CPU backend. NULL: the library allocates it. It holds one row per slot:
+  // `gpu_chunks` rows when swap is on for the layer, `compressed_cap` rows
+  // when it is off (`enable = 0`, or `compressed_cap <= gpu_chunks`), each
+  // `staging_stride` bytes apart, and must stay valid until
+  // `kvswap_destroy`.
   void *staging;
   // Bytes between consecutive slot rows of `staging`; 0 means `chunk_bytes`.
   uint64_t staging_stride;
@@ -137,7 +143,10 @@ typedef struct KvswapLayerSpec {
 
 // An engine stream: a `CUstream` on the CUDA backend (NULL is refused there:
 // kvswap never uses the legacy default stream; `kvswap_sync` alone takes
-// NULL, see there); ignored on the CPU backend.
+// NULL, see there; `CU_STREAM_LEGACY` is refused too); ignored on the CPU
+// backend. Calls can be captured into a CUDA graph only with
+// `KVSWAP_SYNC=0` (a synchronous call waits for the device: refused with
+// KVSWAP_STATUS_INVALID_ARGUMENT while its stream is captured).
 //
 // Ordering on CUDA: a layer's eager call on another stream handle than its
 // previous eager call (or on `CU_STREAM_PER_THREAD`, a different stream in
@@ -267,7 +276,10 @@ typedef struct FmSeq {
   int32_t *out_indices;
 } FmSeq;
 
-// CUDA when a driver and a device are present, else the CPU backend.
+// CUDA when a driver and a device are present, else the CPU backend (any
+// CUDA failure falls back, with one log line). The CPU backend reads every
+// pointer as host memory: an engine passing device pointers sets
+// `KVSWAP_BACKEND_CUDA`, or checks `kvswap_context_info` after creating.
 #define KVSWAP_BACKEND_AUTO 0
 
 // Host memory plays the device: the reference backend, runs everywhere.
@@ -296,7 +308,7 @@ typedef struct FmSeq {
 extern "C" {
 #endif // __cplusplus
 
-// Fills `*out` with the defaults of DESIGN.md's settings table.
+// Fills `*out` with the defaults (the Settings table of README.md).
 enum KvswapStatus kvswap_config_default(struct KvswapConfig *out);
 
 // Fills `*out` with the defaults overridden by the `KVSWAP_*` environment
@@ -307,8 +319,11 @@ enum KvswapStatus kvswap_config_from_env(struct KvswapConfig *out);
 // Creates a context for `n_layers` layers described by `layers`, and
 // writes its handle to `*out`. Applies the guards: `gpu_chunks < index_topk`
 // (`KVSWAP_STATUS_TOPK_GUARD`), pinned host tier over `pinned_mib`
-// (`KVSWAP_STATUS_PINNED_CAP`), zero sizes, and no CUDA device for an
-// explicit CUDA backend (`KVSWAP_STATUS_NO_DEVICE`).
+// (`KVSWAP_STATUS_PINNED_CAP`), zero sizes, more than KVSWAP_MAX_LAYERS
+// layers (`KVSWAP_STATUS_OUT_OF_RANGE`), and no CUDA device for an explicit
+// CUDA backend (`KVSWAP_STATUS_NO_DEVICE`). Engine-owned staging buffers
+// (`KvswapLayerSpec.staging`) of different layers must not overlap: each
+// layer takes its rows for its own slots.
 enum KvswapStatus kvswap_create(const struct KvswapConfig *config,
                                 const struct KvswapLayerSpec *layers,
                                 size_t n_layers,
@@ -359,8 +374,10 @@ enum KvswapStatus kvswap_swap_in_selected(struct KvswapContext *ctx,
                                           uint32_t count,
                                           KvswapStream stream);
 
-// Writes the counters of `layer` to `*out`. Synchronises with the device and
-// returns a deferred error of an earlier asynchronous call first, if any.
+// Writes the counters of `layer` to `*out`. Waits for the layer's last
+// eager call (after a graph launch, call `kvswap_sync` with the launch
+// stream first) and returns a deferred error of an earlier asynchronous
+// call instead of the counters, if there is one (clearing it).
 enum KvswapStatus kvswap_layer_stats(struct KvswapContext *ctx,
                                      uint32_t layer,
                                      struct KvswapLayerStats *out);
@@ -377,9 +394,11 @@ enum KvswapStatus kvswap_layer_staging(struct KvswapContext *ctx,
 
 // Waits for the context's outstanding device work and returns the first
 // error an asynchronous call recorded since the last synchronising call
-// (clearing it). `stream` is the engine stream the work was issued on
-// (ignored on the CPU backend); NULL waits for kvswap's own streams only,
-// not for work the engine queued on its streams.
+// (that of the lowest-numbered layer with one; the errors of every layer
+// are cleared). `stream` (ignored on the CPU
+// backend) is waited for as a whole first: pass the stream a graph was
+// launched on. NULL waits for each layer's last eager call only, not for
+// other work the engine queued (graph launches included).
 enum KvswapStatus kvswap_sync(struct KvswapContext *ctx, KvswapStream stream);
 
 // Writes what the context runs on to `*out`.
@@ -420,8 +439,10 @@ enum KvswapStatus kvswap_set_log_level(uint32_t level);
 // (`KVSWAP_STATUS_NO_DEVICE` without a driver or device;
 // `KVSWAP_STATUS_UNSUPPORTED` for a shape the CUDA kernels do not take:
 // head_dim 64/128/192/256, n_heads a multiple of 8 (of 64 above 64), hidden
-// a multiple of 8). On CUDA, `KVSWAP_SYNC` (default 1) decides whether
-// scoring calls wait for their own errors (see `fm_scorer_sync`).
+// a multiple of 8). On CUDA, `KVSWAP_SYNC` (default 1), read from the
+// environment here (the `fm_*` functions take no `KvswapConfig`; pass
+// `cfg.fm_ckpt` and `cfg.fm_ensemble` yourself), decides whether scoring
+// calls wait for their own errors (see `fm_scorer_sync`).
 // Errors: `KVSWAP_STATUS_IO` for a missing or unreadable file;
 // `KVSWAP_STATUS_BAD_CHECKPOINT` for a wrong format tag, a missing or
 // malformed metadata field, a missing or mis-shaped tensor, an unsupported
@@ -462,8 +483,8 @@ enum KvswapStatus fm_scorer_set_ensemble(struct FmScorer *scorer, KvswapEnsemble
 // is the max or mean of `s_i(c)` over the scorers (`fm_scorer_set_ensemble`).
 //
 // Limits: `n_chunks` from 1 to FM_MAX_CHUNKS (4,194,304), `k` from 1 to
-// FM_MAX_TOPK (2048); other values are KVSWAP_STATUS_INVALID_ARGUMENT (0)
-// or KVSWAP_STATUS_OUT_OF_RANGE (above the limit). A NaN or Inf in `hidden`, the keys or the scales is
+// FM_MAX_TOPK (2048); 0 is KVSWAP_STATUS_INVALID_ARGUMENT and a value above
+// the limit KVSWAP_STATUS_OUT_OF_RANGE. A NaN or Inf in `hidden`, the keys or the scales is
 // `KVSWAP_STATUS_INVALID_ARGUMENT` naming the scorer/chunk and position.
 // On the CUDA backend the values are checked on the device: the top-k is
 // then written as -1 and the error is returned by this call with
@@ -480,10 +501,12 @@ enum KvswapStatus fm_scorer_set_ensemble(struct FmScorer *scorer, KvswapEnsemble
 // `stream`. The first call on a stream, and a call with more chunks than
 // any before on it, allocates the stream's workspace: make that call
 // before capturing the stream, and not while another thread captures in
-// `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then). A
-// workspace (about 12 bytes per chunk of the largest call, plus the
-// projections of up to 64 sequences) stays until the scorer is freed, one
-// per stream (and per thread using `CU_STREAM_PER_THREAD`).
+// `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then): warm up
+// with the shape you will capture (for a batch, its launch groups' chunks
+// in all). A workspace (about 12 bytes per chunk, plus the projections of
+// up to 64 sequences) stays until the scorer is freed, one per stream (and
+// per thread using `CU_STREAM_PER_THREAD`). On CUDA `hidden` must be
+// 16-byte aligned.
 enum KvswapStatus fm_score_topk(const struct FmScorer *scorer,
                                 const float *hidden,
                                 const struct FmKeys *keys,
@@ -526,7 +549,10 @@ enum KvswapStatus fm_score_topk_batch(const struct FmScorer *scorer,
 // pointers, `stream` ignored); a CUDA ordinal runs on that GPU (device
 // pointers, the engine's stream; values are checked on the device as for
 // `fm_score_topk`: with `KVSWAP_SYNC=0` the call does not wait, writes the
-// top-k as -1 and `fm_bounds_sync` returns the error).
+// top-k as -1 and `fm_bounds_sync` returns the error). On CUDA each stream
+// gets a workspace (about 12 bytes per chunk of its largest call) for the
+// life of the process; it is allocated or grown by a call, not while the
+// stream is captured: warm up with the largest `n_chunks` first.
 enum KvswapStatus fm_bounds_topk(int32_t device,
                                  const float *query,
                                  const float *bounds_min,

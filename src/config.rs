@@ -11,7 +11,10 @@ pub const KVSWAP_PATH_MAX: usize = 4096;
 
 /// Which backend a context uses (`KVSWAP_BACKEND`).
 pub type KvswapBackendKind = u32;
-/// CUDA when a driver and a device are present, else the CPU backend.
+/// CUDA when a driver and a device are present, else the CPU backend (any
+/// CUDA failure falls back, with one log line). The CPU backend reads every
+/// pointer as host memory: an engine passing device pointers sets
+/// `KVSWAP_BACKEND_CUDA`, or checks `kvswap_context_info` after creating.
 pub const KVSWAP_BACKEND_AUTO: KvswapBackendKind = 0;
 /// Host memory plays the device: the reference backend, runs everywhere.
 pub const KVSWAP_BACKEND_CPU: KvswapBackendKind = 1;
@@ -150,7 +153,7 @@ fn bad(var: &str, value: &str, expected: &str) -> Error {
 fn parse_bool(var: &str, v: &str) -> Result<bool> {
     match v.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "on" | "yes" => Ok(true),
-        "0" | "false" | "off" | "no" | "" => Ok(false),
+        "0" | "false" | "off" | "no" => Ok(false),
         _ => Err(bad(var, v, "0 or 1 (also true/false, on/off, yes/no)")),
     }
 }
@@ -200,8 +203,11 @@ impl Config {
         Self::from_lookup(|k| lookup(k).and_then(|v| v.into_string().ok()))
     }
 
-    /// Defaults overridden by `lookup(name)`; the kvswap name wins over its alias.
+    /// Defaults overridden by `lookup(name)`; the kvswap name wins over its
+    /// alias. A variable set to an empty (or blank) value counts as unset:
+    /// `KVSWAP_SYNC=` keeps the default 1 instead of reading as 0.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        let lookup = |name: &str| lookup(name).filter(|v| !v.trim().is_empty());
         let mut c = Config::default();
         for var in VARS {
             let (used, value) = match lookup(var.name) {
@@ -416,6 +422,16 @@ mod tests {
         let e = Config::from_lookup(env(&[("KVSWAP_FM_CKPT", &long)])).unwrap_err();
         assert_eq!(e.status, KvswapStatus::InvalidArgument, "{e}");
         assert!(e.message.contains(&"\u{20ac}".repeat(64)), "{e}");
+    }
+
+    #[test]
+    fn empty_values_count_as_unset() {
+        // `KVSWAP_SYNC=` used to read as 0 (async); blank values keep the
+        // defaults, and an empty kvswap name lets its alias through.
+        let c = Config::from_lookup(env(&[("KVSWAP_SYNC", ""), ("KVSWAP_GPU_CHUNKS", "  "), ("KVSWAP_BACKEND", "")])).unwrap();
+        assert_eq!(c, Config::default());
+        let c = Config::from_lookup(env(&[("KVSWAP_SYNC", ""), ("POCKETLLM_GGUF_KV_SWAP_SYNC", "0")])).unwrap();
+        assert!(!c.sync);
     }
 
     #[test]

@@ -356,6 +356,36 @@ mod tests {
         ctx.stats(1).unwrap();
     }
 
+    /// KVSWAP_VALIDATE on the CPU follows the sync rule as CUDA does: with
+    /// sync = 0 a mismatch is reported by the next sync, with sync = 1 by
+    /// the call.
+    #[test]
+    fn validation_failures_follow_the_sync_setting() {
+        for sync in [false, true] {
+            let mut staging = vec![0u8; 4 * 32];
+            let config = Config { backend: BackendChoice::Cpu, enable: true, sync, validate: true, gpu_chunks: 4, index_topk: 4, ..Config::default() };
+            let spec = KvswapLayerSpec { compressed_cap: 16, chunk_bytes: 32, staging: staging.as_mut_ptr().cast(), staging_stride: 0 };
+            let ctx = Context::new(config, &[spec]).unwrap();
+            for id in 0..16 {
+                ctx.store(0, id, &[id as u8 + 1; 32]).unwrap();
+            }
+            let mut sel = [4i32];
+            ctx.swap_in(0, &mut sel, 0).unwrap();
+            // SAFETY: the engine's own staging buffer, 4 rows of 32 bytes;
+            // the context is not inside a call.
+            unsafe { *staging.as_mut_ptr().add(sel[0] as usize * 32 + 7) ^= 0xff };
+            let mut again = [4i32];
+            let r = ctx.swap_in(0, &mut again, 0);
+            if sync {
+                assert_eq!(r.unwrap_err().status, KvswapStatus::ValidationFailed);
+            } else {
+                r.unwrap();
+                assert_eq!(ctx.sync().unwrap_err().status, KvswapStatus::ValidationFailed, "reported by sync");
+                ctx.sync().unwrap();
+            }
+        }
+    }
+
     /// sync() goes on past a poisoned layer: a later layer's deferred error
     /// is cleared too (the first error is returned).
     #[test]

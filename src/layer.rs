@@ -15,7 +15,11 @@ pub struct KvswapLayerSpec {
     pub chunk_bytes: u64,
     /// Optional engine-owned staging buffer: the row of slot 0 (the attention
     /// kernel's row `window_len`). Device memory on CUDA, host memory on the
-    /// CPU backend. NULL: the library allocates it.
+    /// CPU backend. NULL: the library allocates it. It holds one row per slot:
+    /// `gpu_chunks` rows when swap is on for the layer, `compressed_cap` rows
+    /// when it is off (`enable = 0`, or `compressed_cap <= gpu_chunks`), each
+    /// `staging_stride` bytes apart, and must stay valid until
+    /// `kvswap_destroy`.
     pub staging: *mut c_void,
     /// Bytes between consecutive slot rows of `staging`; 0 means `chunk_bytes`.
     pub staging_stride: u64,

@@ -155,10 +155,16 @@ impl LayerOps for CpuLayer {
                     (std::slice::from_raw_parts(self.slot_row(slot), n), std::slice::from_raw_parts(self.host_row(id), n))
                 };
                 if a != b {
-                    return Err(Error::new(
+                    let e = Error::new(
                         KvswapStatus::ValidationFailed,
                         format!("layer {}: slot {slot} differs from the host copy of chunk {id}", self.plan.index),
-                    ));
+                    );
+                    // As on CUDA: with sync = 0 reported by the next sync or stats.
+                    if self.strict {
+                        return Err(e);
+                    }
+                    self.deferred.get_or_insert(e);
+                    break;
                 }
             }
         }

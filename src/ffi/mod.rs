@@ -23,7 +23,10 @@ pub use scorer::*;
 
 /// An engine stream: a `CUstream` on the CUDA backend (NULL is refused there:
 /// kvswap never uses the legacy default stream; `kvswap_sync` alone takes
-/// NULL, see there); ignored on the CPU backend.
+/// NULL, see there; `CU_STREAM_LEGACY` is refused too); ignored on the CPU
+/// backend. Calls can be captured into a CUDA graph only with
+/// `KVSWAP_SYNC=0` (a synchronous call waits for the device: refused with
+/// KVSWAP_STATUS_INVALID_ARGUMENT while its stream is captured).
 ///
 /// Ordering on CUDA: a layer's eager call on another stream handle than its
 /// previous eager call (or on `CU_STREAM_PER_THREAD`, a different stream in
@@ -72,13 +75,18 @@ pub struct KvswapContextInfo {
     pub staging_bytes: u64,
 }
 
+/// The most layers `kvswap_create` takes.
+pub const KVSWAP_MAX_LAYERS: usize = 1 << 20;
+
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
 
 fn set_last_error(text: &str) {
     let c = CString::new(text.replace('\0', " ")).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+    // (Gone while the thread's locals are torn down, e.g. for a call from a
+    // thread-exit destructor: the text is dropped then, never a panic.)
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = c);
 }
 
 fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
@@ -128,7 +136,7 @@ pub(crate) fn check_aligned<T>(p: *const T, name: &str) -> Result<()> {
     crate::scorer::args::check_ptr(p as u64, std::mem::align_of::<T>() as u64, name)
 }
 
-/// Fills `*out` with the defaults of DESIGN.md's settings table.
+/// Fills `*out` with the defaults (the Settings table of README.md).
 #[no_mangle]
 pub extern "C" fn kvswap_config_default(out: *mut KvswapConfig) -> KvswapStatus {
     boundary("kvswap_config_default", || {
@@ -154,8 +162,11 @@ pub extern "C" fn kvswap_config_from_env(out: *mut KvswapConfig) -> KvswapStatus
 /// Creates a context for `n_layers` layers described by `layers`, and
 /// writes its handle to `*out`. Applies the guards: `gpu_chunks < index_topk`
 /// (`KVSWAP_STATUS_TOPK_GUARD`), pinned host tier over `pinned_mib`
-/// (`KVSWAP_STATUS_PINNED_CAP`), zero sizes, and no CUDA device for an
-/// explicit CUDA backend (`KVSWAP_STATUS_NO_DEVICE`).
+/// (`KVSWAP_STATUS_PINNED_CAP`), zero sizes, more than KVSWAP_MAX_LAYERS
+/// layers (`KVSWAP_STATUS_OUT_OF_RANGE`), and no CUDA device for an explicit
+/// CUDA backend (`KVSWAP_STATUS_NO_DEVICE`). Engine-owned staging buffers
+/// (`KvswapLayerSpec.staging`) of different layers must not overlap: each
+/// layer takes its rows for its own slots.
 #[no_mangle]
 pub extern "C" fn kvswap_create(
     config: *const KvswapConfig,
@@ -169,6 +180,9 @@ pub extern "C" fn kvswap_create(
         check_aligned(out, "out")?;
         if n_layers == 0 {
             return Err(Error::invalid("n_layers is 0"));
+        }
+        if n_layers > KVSWAP_MAX_LAYERS {
+            return Err(Error::out_of_range(format!("n_layers={n_layers} is above KVSWAP_MAX_LAYERS ({KVSWAP_MAX_LAYERS})")));
         }
         // SAFETY: non-null, and the engine promises a valid config and
         // `n_layers` specs.
@@ -233,6 +247,9 @@ pub extern "C" fn kvswap_store_batch(
         if n == 0 {
             return Err(Error::invalid("n is 0"));
         }
+        if n > isize::MAX as usize / std::mem::size_of::<i32>() {
+            return Err(Error::out_of_range(format!("n={n} ids do not fit the address space")));
+        }
         // SAFETY: the engine promises `n` ids and readable source rows.
         let ids = unsafe { std::slice::from_raw_parts(ids, n) };
         unsafe { c.store_raw(layer as usize, ids, src as u64, src_stride, stream as u64) }
@@ -270,8 +287,10 @@ pub extern "C" fn kvswap_swap_in_selected(
     })
 }
 
-/// Writes the counters of `layer` to `*out`. Synchronises with the device and
-/// returns a deferred error of an earlier asynchronous call first, if any.
+/// Writes the counters of `layer` to `*out`. Waits for the layer's last
+/// eager call (after a graph launch, call `kvswap_sync` with the launch
+/// stream first) and returns a deferred error of an earlier asynchronous
+/// call instead of the counters, if there is one (clearing it).
 #[no_mangle]
 pub extern "C" fn kvswap_layer_stats(ctx: *mut KvswapContext, layer: u32, out: *mut KvswapLayerStats) -> KvswapStatus {
     boundary("kvswap_layer_stats", || {
@@ -310,9 +329,11 @@ pub extern "C" fn kvswap_layer_staging(
 
 /// Waits for the context's outstanding device work and returns the first
 /// error an asynchronous call recorded since the last synchronising call
-/// (clearing it). `stream` is the engine stream the work was issued on
-/// (ignored on the CPU backend); NULL waits for kvswap's own streams only,
-/// not for work the engine queued on its streams.
+/// (that of the lowest-numbered layer with one; the errors of every layer
+/// are cleared). `stream` (ignored on the CPU
+/// backend) is waited for as a whole first: pass the stream a graph was
+/// launched on. NULL waits for each layer's last eager call only, not for
+/// other work the engine queued (graph launches included).
 #[no_mangle]
 pub extern "C" fn kvswap_sync(ctx: *mut KvswapContext, stream: KvswapStream) -> KvswapStatus {
     boundary("kvswap_sync", || ctx_ref(ctx)?.sync_stream(stream as u64))
@@ -355,7 +376,7 @@ pub extern "C" fn kvswap_context_info(ctx: *mut KvswapContext, out: *mut KvswapC
 /// next kvswap call on this thread fails; never NULL.
 #[no_mangle]
 pub extern "C" fn kvswap_last_error() -> *const c_char {
-    match catch_unwind(|| LAST_ERROR.with(|e| e.borrow().as_ptr())) {
+    match catch_unwind(|| LAST_ERROR.try_with(|e| e.borrow().as_ptr()).unwrap_or(c"".as_ptr())) {
         Ok(p) => p,
         Err(_) => c"kvswap_last_error: internal panic".as_ptr(),
     }

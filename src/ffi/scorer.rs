@@ -118,8 +118,10 @@ fn path_arg(path: *const c_char) -> Result<PathBuf> {
 /// (`KVSWAP_STATUS_NO_DEVICE` without a driver or device;
 /// `KVSWAP_STATUS_UNSUPPORTED` for a shape the CUDA kernels do not take:
 /// head_dim 64/128/192/256, n_heads a multiple of 8 (of 64 above 64), hidden
-/// a multiple of 8). On CUDA, `KVSWAP_SYNC` (default 1) decides whether
-/// scoring calls wait for their own errors (see `fm_scorer_sync`).
+/// a multiple of 8). On CUDA, `KVSWAP_SYNC` (default 1), read from the
+/// environment here (the `fm_*` functions take no `KvswapConfig`; pass
+/// `cfg.fm_ckpt` and `cfg.fm_ensemble` yourself), decides whether scoring
+/// calls wait for their own errors (see `fm_scorer_sync`).
 /// Errors: `KVSWAP_STATUS_IO` for a missing or unreadable file;
 /// `KVSWAP_STATUS_BAD_CHECKPOINT` for a wrong format tag, a missing or
 /// malformed metadata field, a missing or mis-shaped tensor, an unsupported
@@ -216,8 +218,8 @@ pub extern "C" fn fm_scorer_set_ensemble(scorer: *mut FmScorer, ensemble: Kvswap
 /// is the max or mean of `s_i(c)` over the scorers (`fm_scorer_set_ensemble`).
 ///
 /// Limits: `n_chunks` from 1 to FM_MAX_CHUNKS (4,194,304), `k` from 1 to
-/// FM_MAX_TOPK (2048); other values are KVSWAP_STATUS_INVALID_ARGUMENT (0)
-/// or KVSWAP_STATUS_OUT_OF_RANGE (above the limit). A NaN or Inf in `hidden`, the keys or the scales is
+/// FM_MAX_TOPK (2048); 0 is KVSWAP_STATUS_INVALID_ARGUMENT and a value above
+/// the limit KVSWAP_STATUS_OUT_OF_RANGE. A NaN or Inf in `hidden`, the keys or the scales is
 /// `KVSWAP_STATUS_INVALID_ARGUMENT` naming the scorer/chunk and position.
 /// On the CUDA backend the values are checked on the device: the top-k is
 /// then written as -1 and the error is returned by this call with
@@ -234,10 +236,12 @@ pub extern "C" fn fm_scorer_set_ensemble(scorer: *mut FmScorer, ensemble: Kvswap
 /// `stream`. The first call on a stream, and a call with more chunks than
 /// any before on it, allocates the stream's workspace: make that call
 /// before capturing the stream, and not while another thread captures in
-/// `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then). A
-/// workspace (about 12 bytes per chunk of the largest call, plus the
-/// projections of up to 64 sequences) stays until the scorer is freed, one
-/// per stream (and per thread using `CU_STREAM_PER_THREAD`).
+/// `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then): warm up
+/// with the shape you will capture (for a batch, its launch groups' chunks
+/// in all). A workspace (about 12 bytes per chunk, plus the projections of
+/// up to 64 sequences) stays until the scorer is freed, one per stream (and
+/// per thread using `CU_STREAM_PER_THREAD`). On CUDA `hidden` must be
+/// 16-byte aligned.
 #[no_mangle]
 pub extern "C" fn fm_score_topk(
     scorer: *const FmScorer,
@@ -316,7 +320,10 @@ pub extern "C" fn fm_score_topk_batch(
 /// pointers, `stream` ignored); a CUDA ordinal runs on that GPU (device
 /// pointers, the engine's stream; values are checked on the device as for
 /// `fm_score_topk`: with `KVSWAP_SYNC=0` the call does not wait, writes the
-/// top-k as -1 and `fm_bounds_sync` returns the error).
+/// top-k as -1 and `fm_bounds_sync` returns the error). On CUDA each stream
+/// gets a workspace (about 12 bytes per chunk of its largest call) for the
+/// life of the process; it is allocated or grown by a call, not while the
+/// stream is captured: warm up with the largest `n_chunks` first.
 #[no_mangle]
 pub extern "C" fn fm_bounds_topk(
     device: i32,

@@ -48,6 +48,7 @@ pub fn check(r: sys::CUresult, what: &str) -> Result<()> {
 
 /// The oldest driver the CUDA backend runs on: CUDA 12.3, the first with
 /// `cuStreamGetCaptureInfo_v3`.
+/// cbindgen:ignore
 pub const MIN_DRIVER_VERSION: i32 = 12030;
 
 /// The driver's CUDA version (e.g. 13000 for 13.0), 0 when it cannot say.
