@@ -245,15 +245,20 @@ struct MetaLayout {
 }
 
 impl MetaLayout {
-    fn new(cap: usize, slots: usize) -> MetaLayout {
+    /// A fully resident layer (`swap` false, `slots` = `cap`) keeps only the
+    /// stored bits and the per-slot selected flags: the chunk <-> slot
+    /// tables, the LRU order and the miss list of a swapping layer (about 24
+    /// bytes per chunk) are not used by its kernels and get no room.
+    fn new(cap: usize, slots: usize, swap: bool) -> MetaLayout {
+        let (table_cap, table_slots) = if swap { (cap, slots) } else { (0, 0) };
         let chunk_slot = 0;
-        let slot_chunk = chunk_slot + cap;
-        let lru = slot_chunk + slots;
-        let parity = lru + 2 * slots;
+        let slot_chunk = chunk_slot + table_cap;
+        let lru = slot_chunk + table_slots;
+        let parity = lru + 2 * table_slots;
         let stored = parity + 1;
         let selected = stored + cap.div_ceil(32);
         let miss_list = selected + slots;
-        let n_miss = miss_list + 2 * slots;
+        let n_miss = miss_list + 2 * table_slots;
         let err = n_miss + 1;
         let stats = (err + 4).next_multiple_of(2);
         let words = stats + 16;
@@ -308,7 +313,7 @@ impl CudaLayer {
                 ),
             ));
         }
-        let meta = MetaLayout::new(cap, slots);
+        let meta = MetaLayout::new(cap, slots, p.swap);
         let meta_buf = DeviceBuffer::alloc(meta.words * 4, "layer metadata")?;
         let (staging_ptr, stride, staging_buf) = match p.staging {
             Some((ptr, stride)) => {
@@ -341,7 +346,10 @@ impl CudaLayer {
             identity: (!p.swap) as u32,
             pad: 0,
         };
-        let readback_bytes = (4 * slots.max(cap.div_ceil(32)).max(64)).max(p.chunk_bytes);
+        // Reads back: slot -> chunk (swapping layers), the stored bits, the
+        // counters and error record, or one staged row.
+        let table_slots = if p.swap { slots } else { 0 };
+        let readback_bytes = (4 * table_slots.max(cap.div_ceil(32)).max(64)).max(p.chunk_bytes);
         let layer = CudaLayer {
             readback: PinnedBuffer::alloc(readback_bytes)?,
             done: Event::new(false)?,
