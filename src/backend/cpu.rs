@@ -147,7 +147,7 @@ impl LayerOps for CpuLayer {
             self.deferred.get_or_insert(err);
         }
         if self.validate {
-            for &e in entries.iter().filter(|&&e| e != -1) {
+            for (pos, &e) in entries.iter().enumerate().filter(|&(_, &e)| e != -1) {
                 let slot = (e - window_len as i32) as u32;
                 let id = self.residency.chunk_in(slot).expect("selected slot holds a chunk");
                 // SAFETY: both rows are `n` readable bytes.
@@ -157,7 +157,8 @@ impl LayerOps for CpuLayer {
                 if a != b {
                     let e = Error::new(
                         KvswapStatus::ValidationFailed,
-                        format!("layer {}: slot {slot} differs from the host copy of chunk {id}", self.plan.index),
+                        // The CUDA backend's words (it names one mismatch; this the first).
+                        format!("layer {}: the slot of chunk {id} (position {pos}) differs from its host copy", self.plan.index),
                     );
                     // As on CUDA: with sync = 0 reported by the next sync or stats.
                     if self.strict {
