@@ -268,7 +268,9 @@ __device__ __forceinline__ void ensemble_add(float si, u32 sc, bool mean, float&
 // and its histogram count; one lane of the quad writes.
 __device__ __forceinline__ void wg_file_score(float ens, bool finite, bool in, u32 chunk, u32 lane, const ScoreSeq& S, u32* sh_hist,
                                               bool& bad, u32& bad_chunk) {
-    if (!finite && in) {
+    // The ensemble too: a mean of finite scorer scores can overflow f32 (as
+    // fm_score checks).
+    if ((!finite || !isfinite(ens)) && in) {
         bad = true;
         bad_chunk = chunk;
         ens = -3.0e38f;

@@ -163,11 +163,18 @@ impl Workspace {
     /// Zeroes the histogram, selection state and error record (the kernels
     /// keep them zeroed afterwards) and waits.
     fn clear(&self, s: CUstream) -> Result<()> {
+        // SAFETY: the error record is 4 words.
+        unsafe { driver::memset_d32_async(self.err.ptr, 0, 4, s)? };
+        self.reset_selection(s)
+    }
+
+    /// Zeroes the histograms and selection state (fm_order leaves them so;
+    /// a call whose later launch failed may not have) and waits.
+    fn reset_selection(&self, s: CUstream) -> Result<()> {
         // SAFETY: each buffer holds the number of words cleared.
         unsafe {
             driver::memset_d32_async(self.hist.ptr, 0, self.seqs * HIST_WORDS, s)?;
             driver::memset_d32_async(self.state.ptr, 0, self.seqs * 4, s)?;
-            driver::memset_d32_async(self.err.ptr, 0, 4, s)?;
         }
         driver::stream_sync(s)
     }
@@ -589,79 +596,91 @@ impl CudaScorer {
         let ws = self.workspaces.ensure(&mut held, s, max_group, max_chunks, self.q_elems(), self.w_elems())?;
         let sm = dev.sm_count as u32;
         let mut err = ws.err.ptr;
-        for group in &groups {
-            let b = group.len();
-            let dtype = seqs[group[0]].keys.dtype;
-            let mut id = [0u16; MAX_BATCH];
-            for (i, &orig) in group.iter().enumerate() {
-                id[i] = orig as u16;
-            }
-            let q_at = |i: usize| qw.map(|v| v[group[i]].0).unwrap_or(ws.q.ptr + (i * self.q_elems() * 2) as u64);
-            let w_at = |i: usize| qw.map(|v| v[group[i]].1).unwrap_or(ws.w.ptr + (i * self.w_elems() * 4) as u64);
-            if qw.is_none() {
-                let mut pb = ProjBatch { n: b as u32, seq: [ProjSeq::default(); MAX_BATCH], id };
+        let launched = (|| -> Result<()> {
+            for group in &groups {
+                let b = group.len();
+                let dtype = seqs[group[0]].keys.dtype;
+                let mut id = [0u16; MAX_BATCH];
                 for (i, &orig) in group.iter().enumerate() {
-                    pb.seq[i] = ProjSeq { hidden: seqs[orig].hidden, q: q_at(i), w: w_at(i) };
+                    id[i] = orig as u16;
                 }
-                let which = if b == 1 { 0 } else if b <= 8 { 1 } else { 2 };
-                let kernel = &self.project[which];
-                let rows = (self.heads * self.head_dim + self.heads) as u32;
-                let (mut wptr, mut hid) = (self.weights.ptr, self.hidden as u32);
-                let mut params = kernel_params![wptr, hid, pb, err];
-                // SAFETY: parameters match fm_project_*(const T*, u32, ProjBatch, u32*);
-                // hidden and q/w buffers were checked / sized above.
-                unsafe { kernel.launch_2d((rows.div_ceil(PROJECT_ROWS), self.n_scorers as u32), 32 * PROJECT_ROWS, PROJECT_SMEM[which], s, &mut params)? };
-            }
-            let mut sb = ScoreBatch {
-                n_seqs: b as u32,
-                dtype: dtype.code(),
-                mean: (ensemble == Ensemble::Mean) as u32,
-                pad: 0,
-                seq: [ScoreSeq::default(); MAX_BATCH],
-                id,
-            };
-            let mut sel = SelectBatch { n_seqs: b as u32, k: k as u32, seq: [SelectSeq::default(); MAX_BATCH] };
-            let mut first_chunk = 0usize;
-            for (i, &orig) in group.iter().enumerate() {
-                let q = &seqs[orig];
-                let at = first_chunk;
-                first_chunk += q.n_chunks.next_multiple_of(32);
-                let skey = ws.skey.ptr + (at * 4) as u64;
-                let hist = ws.hist.ptr + (i * HIST_WORDS * 4) as u64;
-                sb.seq[i] = ScoreSeq {
-                    keys: q.keys.data,
-                    scales: q.keys.scales,
-                    q: q_at(i),
-                    w: w_at(i),
-                    skey,
-                    hist,
-                    stride: strides[orig],
-                    n: q.n_chunks as u32,
-                };
-                sel.seq[i] = SelectSeq {
-                    skey,
-                    hist,
-                    st: ws.state.ptr + (i * 16) as u64,
-                    sure: ws.sure.ptr + (i * TOPK_MAX * 8) as u64,
-                    tie: ws.tie.ptr + (at * 8) as u64,
-                    out: q.out,
-                    n: q.n_chunks as u32,
+                let q_at = |i: usize| qw.map(|v| v[group[i]].0).unwrap_or(ws.q.ptr + (i * self.q_elems() * 2) as u64);
+                let w_at = |i: usize| qw.map(|v| v[group[i]].1).unwrap_or(ws.w.ptr + (i * self.w_elems() * 4) as u64);
+                if qw.is_none() {
+                    let mut pb = ProjBatch { n: b as u32, seq: [ProjSeq::default(); MAX_BATCH], id };
+                    for (i, &orig) in group.iter().enumerate() {
+                        pb.seq[i] = ProjSeq { hidden: seqs[orig].hidden, q: q_at(i), w: w_at(i) };
+                    }
+                    let which = if b == 1 { 0 } else if b <= 8 { 1 } else { 2 };
+                    let kernel = &self.project[which];
+                    let rows = (self.heads * self.head_dim + self.heads) as u32;
+                    let (mut wptr, mut hid) = (self.weights.ptr, self.hidden as u32);
+                    let mut params = kernel_params![wptr, hid, pb, err];
+                    // SAFETY: parameters match fm_project_*(const T*, u32, ProjBatch, u32*);
+                    // hidden and q/w buffers were checked / sized above.
+                    unsafe { kernel.launch_2d((rows.div_ceil(PROJECT_ROWS), self.n_scorers as u32), 32 * PROJECT_ROWS, PROJECT_SMEM[which], s, &mut params)? };
+                }
+                let mut sb = ScoreBatch {
+                    n_seqs: b as u32,
+                    dtype: dtype.code(),
+                    mean: (ensemble == Ensemble::Mean) as u32,
                     pad: 0,
+                    seq: [ScoreSeq::default(); MAX_BATCH],
+                    id,
                 };
+                let mut sel = SelectBatch { n_seqs: b as u32, k: k as u32, seq: [SelectSeq::default(); MAX_BATCH] };
+                let mut first_chunk = 0usize;
+                for (i, &orig) in group.iter().enumerate() {
+                    let q = &seqs[orig];
+                    let at = first_chunk;
+                    first_chunk += q.n_chunks.next_multiple_of(32);
+                    let skey = ws.skey.ptr + (at * 4) as u64;
+                    let hist = ws.hist.ptr + (i * HIST_WORDS * 4) as u64;
+                    sb.seq[i] = ScoreSeq {
+                        keys: q.keys.data,
+                        scales: q.keys.scales,
+                        q: q_at(i),
+                        w: w_at(i),
+                        skey,
+                        hist,
+                        stride: strides[orig],
+                        n: q.n_chunks as u32,
+                    };
+                    sel.seq[i] = SelectSeq {
+                        skey,
+                        hist,
+                        st: ws.state.ptr + (i * 16) as u64,
+                        sure: ws.sure.ptr + (i * TOPK_MAX * 8) as u64,
+                        tie: ws.tie.ptr + (at * 8) as u64,
+                        out: q.out,
+                        n: q.n_chunks as u32,
+                        pad: 0,
+                    };
+                }
+                let group_chunks = group.iter().map(|&i| seqs[i].n_chunks).max().unwrap_or(1);
+                let tiles = group_chunks.div_ceil(self.score_tile as usize) as u32;
+                let resident = if self.wgmma { sm } else { 2 * sm };  // blocks per SM: 1 (wgmma) or 2
+                let per_seq = tiles.min((resident / b as u32).max(1));
+                let mut params = kernel_params![sb, err];
+                // SAFETY: parameters match fm_score(ScoreBatch, u32*); keys checked above.
+                let kernel = match (&self.score_fp8, dtype) {
+                    (Some(k), KeyDtype::Fp8E4m3) => k,
+                    _ => &self.score,
+                };
+                unsafe { self.launch.dependent(kernel, (per_seq, b as u32), self.score_threads, self.score_smem, s, &mut params)? };
+                let sel_blocks = (group_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
+                self.select.launch(&self.launch, sel, sel_blocks, err, s)?;
             }
-            let group_chunks = group.iter().map(|&i| seqs[i].n_chunks).max().unwrap_or(1);
-            let tiles = group_chunks.div_ceil(self.score_tile as usize) as u32;
-            let resident = if self.wgmma { sm } else { 2 * sm };  // blocks per SM: 1 (wgmma) or 2
-            let per_seq = tiles.min((resident / b as u32).max(1));
-            let mut params = kernel_params![sb, err];
-            // SAFETY: parameters match fm_score(ScoreBatch, u32*); keys checked above.
-            let kernel = match (&self.score_fp8, dtype) {
-                (Some(k), KeyDtype::Fp8E4m3) => k,
-                _ => &self.score,
-            };
-            unsafe { self.launch.dependent(kernel, (per_seq, b as u32), self.score_threads, self.score_smem, s, &mut params)? };
-            let sel_blocks = (group_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
-            self.select.launch(&self.launch, sel, sel_blocks, err, s)?;
+            Ok(())
+        })();
+        if let Err(e) = launched {
+            // A launch failed after earlier kernels of the call were queued:
+            // a scoring kernel may have filled histograms that no fm_order
+            // will zero, and the next call would select from stale counts.
+            if !driver::is_capturing(s).unwrap_or(true) {
+                let _ = ws.reset_selection(s);
+            }
+            return Err(e);
         }
         if self.sync {
             driver::stream_sync(s)?;
