@@ -79,7 +79,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// ns per selected chunk for one pass over `sels` (the first call warms the
 /// slots and is not timed), and the misses counted.
 fn time_kvswap(sels: &[Vec<i32>]) -> (f64, u64) {
-    let mut r = Residency::new(CAP, SLOTS, true);
+    let mut r = Residency::new(CAP, SLOTS, true).expect("residency tables");
     for id in 0..CAP {
         r.mark_stored(id);
     }

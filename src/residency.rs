@@ -66,35 +66,53 @@ pub struct Residency {
     miss_pos: Vec<u32>,
 }
 
+fn out_of_memory(what: &str, n: usize) -> crate::error::Error {
+    crate::error::Error::new(crate::error::KvswapStatus::OutOfMemory, format!("cannot allocate {what} ({n} entries) of a layer's residency"))
+}
+
+/// `n` copies of `v`, or OUT_OF_MEMORY instead of an abort.
+fn filled<T: Clone>(n: usize, v: T, what: &str) -> crate::error::Result<Vec<T>> {
+    let mut x = Vec::new();
+    x.try_reserve_exact(n).map_err(|_| out_of_memory(what, n))?;
+    x.resize(n, v);
+    Ok(x)
+}
+
 impl Residency {
     /// A layer of `cap` chunks with `slots` staging slots. When `cap <= slots`
     /// or `swap` is false the layer is fully resident (slot == logical id).
-    pub fn new(cap: u32, slots: u32, swap: bool) -> Residency {
+    /// The tables of a layer of `cap` chunks and `slots` slots; an
+    /// allocation that fails is `KVSWAP_STATUS_OUT_OF_MEMORY` (the chunk
+    /// table alone is 4 bytes per chunk), never an abort.
+    pub fn new(cap: u32, slots: u32, swap: bool) -> crate::error::Result<Residency> {
         assert!(cap > 0 && cap < 1 << 30, "cap out of range");
         let identity = !swap || cap <= slots;
         let slots = if identity { cap } else { slots };
         assert!(slots > 0);
+        let per_slot = if identity { 0 } else { slots as usize };
+        let mut misses = Vec::new();
+        misses.try_reserve_exact(per_slot).map_err(|_| out_of_memory("the miss list", per_slot))?;
         let mut r = Residency {
             cap,
             slots,
             identity,
-            stored: vec![0; (cap as usize).div_ceil(64)],
-            chunk_slot: if identity { Vec::new() } else { vec![NONE; cap as usize] },
-            slot_chunk: if identity { Vec::new() } else { vec![NONE; slots as usize] },
-            links: if identity { Vec::new() } else { vec![[NONE; 2]; slots as usize] },
+            stored: filled((cap as usize).div_ceil(64), 0, "the stored bits")?,
+            chunk_slot: filled(if identity { 0 } else { cap as usize }, NONE, "the chunk -> slot table")?,
+            slot_chunk: filled(per_slot, NONE, "the slot -> chunk table")?,
+            links: filled(per_slot, [NONE; 2], "the LRU links")?,
             head: NONE,
             tail: NONE,
-            selected: vec![0; (slots as usize).div_ceil(64)],
-            misses: Vec::with_capacity(if identity { 0 } else { slots as usize }),
-            hit_pos: vec![(0, 0); if identity { 0 } else { slots as usize }],
-            miss_pos: vec![0; if identity { 0 } else { slots as usize }],
+            selected: filled((slots as usize).div_ceil(64), 0, "the selected bits")?,
+            misses,
+            hit_pos: filled(per_slot, (0, 0), "the hit positions")?,
+            miss_pos: filled(per_slot, 0, "the miss positions")?,
         };
         if !identity {
             for s in 0..slots {
                 r.push_back(s);
             }
         }
-        r
+        Ok(r)
     }
 
     pub fn compressed_cap(&self) -> u32 {
@@ -310,7 +328,7 @@ mod tests {
     use super::*;
 
     fn stored_all(cap: u32, slots: u32) -> Residency {
-        let mut r = Residency::new(cap, slots, true);
+        let mut r = Residency::new(cap, slots, true).unwrap();
         for i in 0..cap {
             r.mark_stored(i);
         }
@@ -336,7 +354,7 @@ mod tests {
 
     #[test]
     fn refused_calls_change_nothing() {
-        let mut r = Residency::new(8, 4, true);
+        let mut r = Residency::new(8, 4, true).unwrap();
         r.mark_stored(1);
         let mut e = vec![1, 2];
         assert_eq!(r.swap_in(&mut e, 0, true), Err(EntryError::NotStored { pos: 1, id: 2 }));
@@ -356,7 +374,7 @@ mod tests {
 
     #[test]
     fn identity_when_cap_fits() {
-        let mut r = Residency::new(4, 8, true);
+        let mut r = Residency::new(4, 8, true).unwrap();
         assert!(r.fully_resident());
         r.mark_stored(2);
         r.mark_stored(3);

@@ -35,7 +35,7 @@ impl Backend for CpuBackend {
                 pool: pool.clone(),
                 host_offset: offset,
                 staging,
-                residency: Residency::new(p.compressed_cap, p.slots, p.swap),
+                residency: Residency::new(p.compressed_cap, p.slots, p.swap)?,
                 stats: KvswapLayerStats::default(),
                 strict: cfg.sync,
                 validate: cfg.validate,
