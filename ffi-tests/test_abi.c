@@ -28,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* ------------------------------------------------------------------------ */
 /* Checks                                                                   */
@@ -478,7 +479,17 @@ static void probe_lru_at(int line, Layer *L, uint32_t seed) {
 }
 #define probe_lru(L, seed) probe_lru_at(__LINE__, L, seed)
 
+/* Random inputs come from a fresh seed each run (KVSWAP_SEED replays one;
+ * main prints it). */
 static uint32_t rng_state = 12345u;
+
+static uint32_t test_seed(void) {
+    const char *s = getenv("KVSWAP_SEED");
+    if (s != NULL && *s != '\0') return (uint32_t)strtoul(s, NULL, 10);
+    struct timespec ts;
+    timespec_get(&ts, TIME_UTC);
+    return (uint32_t)ts.tv_nsec ^ (uint32_t)ts.tv_sec;
+}
 static uint32_t rnd(uint32_t n) {
     rng_state ^= rng_state << 13;
     rng_state ^= rng_state >> 17;
@@ -1830,7 +1841,7 @@ static void test_legacy_stream_fresh_layer(void) {
     "kvswap fm init --hidden 64 --heads 16 --head-dim 64 --scorers 2 --dtype bf16 --seed 7 --out FILE"
 #define FM_SENTINEL ((int32_t)-7)
 
-static uint32_t fm_rng = 0x2545F491u;
+static uint32_t fm_rng = 0x2545F491u; /* reseeded from the run's seed in main */
 
 static uint32_t fm_rand_u32(void) {
     fm_rng ^= fm_rng << 13;
@@ -2867,6 +2878,58 @@ static void test_fm_scoring(const char *ckpt) {
                "values and strided rows give the same top-k; permuted rows permute the ids; 2 x hidden; the "
                "ensemble with one scorer's input zero (max vs mean)");
 
+    /* The decode-step pipeline: fm_score_topk writes straight into the index
+     * buffer of kvswap_swap_in_selected (out = indices + window_len, count =
+     * k), which turns the selected ids into physical ids window_len + slot;
+     * with fewer chunks than k the -1 padding stays -1. */
+    {
+        enum { WIN = 5, KK = 16, NN = 12, CB = 64 };
+        HKeys kp = hkeys_random(FM_KEYS_BF16, NN, hd, 0, false);
+        int32_t want[KK];
+        fm_topk_ok(s, hidden, hn, &kp, KK, want); /* the ids, by the same scorer */
+        KvswapConfig pcfg = test_config(1, KK, KK);
+        KvswapLayerSpec pspec = layer_spec(NN + 20, CB); /* NN + 20 > KK: swap on */
+        KvswapContext *pctx = create_ok(&pcfg, &pspec, 1);
+        Layer PL;
+        layer_init(&PL, pctx, 0, NN + 20, KK, CB);
+        for (uint32_t id = 0; id < NN + 20; id++) store_one(&PL, id);
+        int32_t hidx[WIN + KK];
+        for (int i = 0; i < WIN + KK; i++) hidx[i] = i < WIN ? 1000 + i : FM_SENTINEL;
+        int32_t *didx = (int32_t *)dev_copy(hidx, sizeof hidx);
+        void *dh = dev_copy(hidden, hn * sizeof(float));
+        void *dk = dev_copy(kp.data, hkeys_bytes(&kp));
+        FmKeys fk = fmkeys_of(dk, NULL, &kp);
+        CHECK_OK(fm_score_topk(s, (const float *)dh, &fk, NN, KK, didx + WIN, dm_stream()));
+        CHECK_OK(kvswap_swap_in_selected(pctx, 0, didx, WIN, KK, dm_stream()));
+        dm_sync();
+        dm_download(hidx, didx, sizeof hidx);
+        void *stg = NULL;
+        size_t stride = 0;
+        uint32_t rows = 0;
+        CHECK_OK(kvswap_layer_staging(pctx, 0, &stg, &stride, &rows));
+        for (int i = 0; i < WIN; i++) CHECK_EQ(hidx[i], 1000 + i);
+        for (int i = 0; i < KK; i++) {
+            const int32_t p = hidx[WIN + i];
+            if (want[i] == -1) {
+                CHECK_EQ(p, -1);
+                continue;
+            }
+            CHECK(p >= WIN && p < WIN + (int32_t)rows);
+            uint8_t row[CB];
+            dm_download(row, (uint8_t *)stg + (size_t)(p - WIN) * stride, CB);
+            if (!chunk_is(row, CB, 0, (uint32_t)want[i], PL.version[want[i]]))
+                FAIL("pipeline entry %d: slot %d does not hold chunk %d", i, p - WIN, want[i]);
+        }
+        CHECK_EQ(want[NN], -1); /* the padding was exercised */
+        kvswap_destroy(pctx);
+        dm_free(dh);
+        dm_free(dk);
+        dm_free(didx);
+        hkeys_free(&kp);
+        group_done("scorer -> swap-in pipeline: fm_score_topk into indices + window_len, then kvswap_swap_in_selected: "
+                   "window untouched, every selected chunk staged in the slot its physical id names, -1 padding kept");
+    }
+
     /* NaN / Inf: INVALID_ARGUMENT. CPU: out untouched; CUDA (KVSWAP_SYNC=1):
      * out written as -1, and fm_scorer_sync has nothing left to report. */
     float *bad = (float *)malloc(hn * sizeof(float));
@@ -3391,7 +3454,10 @@ static bool test_fm_scorer(void) {
 
 int main(void) {
     dm_init(); /* KVSWAP_TEST_BACKEND: cpu (default) or cuda */
-    printf("backend: %s\n", dm_backend_name());
+    const uint32_t seed = test_seed();
+    rng_state = seed | 1u;                     /* xorshift state: never 0 */
+    fm_rng = (seed * 2654435761u) | 1u;
+    printf("backend: %s, seed %u (KVSWAP_SEED=%u replays it)\n", dm_backend_name(), seed, seed);
     /* Nothing failed yet on this thread. */
     CHECK(kvswap_last_error() != NULL);
     CHECK(strcmp(kvswap_last_error(), "") == 0);

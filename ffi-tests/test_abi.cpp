@@ -30,9 +30,20 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <chrono>
 #include <vector>
 
 namespace {
+
+// Random inputs come from a fresh seed each run (KVSWAP_SEED replays one;
+// main prints it).
+uint32_t g_seed = 0;
+
+uint32_t test_seed() {
+    const char *s = std::getenv("KVSWAP_SEED");
+    if (s != nullptr && *s != '\0') return static_cast<uint32_t>(std::strtoul(s, nullptr, 10));
+    return static_cast<uint32_t>(std::chrono::high_resolution_clock::now().time_since_epoch().count());
+}
 
 // ---------------------------------------------------------------------------
 // Checks
@@ -491,7 +502,7 @@ int iterations() {
 // On CUDA it has a stream and device buffers of its own.
 void own_layer_worker(KvswapContext *ctx, uint32_t layer, int iters) {
     Dev dev(dm_stream_new(), true);
-    std::mt19937 rng(1000 + layer);
+    std::mt19937 rng(g_seed + 1000 + layer);
     auto rnd = [&](uint32_t n) { return n ? static_cast<uint32_t>(rng() % n) : 0u; };
     Model model(MT_CAP, MT_SLOTS);
     std::vector<uint32_t> version(MT_CAP, 0);
@@ -606,7 +617,7 @@ struct SharedLayer {
 void shared_layer_worker(KvswapContext *ctx, SharedLayer *sh, uint32_t parity, int iters) {
     Dev dev(dm_stream_new(), true);
     const uint32_t layer = MT_SHARED;
-    std::mt19937 rng(77 + parity);
+    std::mt19937 rng(g_seed + 77 + parity);
     auto rnd = [&](uint32_t n) { return n ? static_cast<uint32_t>(rng() % n) : 0u; };
     auto store = [&](uint32_t id) {  // id % 2 == parity
         const uint32_t v = sh->version[id].load(std::memory_order_relaxed) + 1;
@@ -833,7 +844,7 @@ bool test_scorer() {
     CHECK_OK(fm_scorer_info(s.get(), &info));
     CHECK(info.n_scorers >= 1 && info.head_dim >= 1);
 
-    std::mt19937 rng(11);
+    std::mt19937 rng(g_seed + 11);
     std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
     std::vector<float> hidden(static_cast<size_t>(info.n_scorers) * info.hidden);
     for (float &h : hidden) h = uni(rng);
@@ -881,7 +892,8 @@ bool test_scorer() {
 
 int main() {
     dm_init();  // KVSWAP_TEST_BACKEND: cpu (default) or cuda
-    std::printf("backend: %s\n", dm_backend_name());
+    g_seed = test_seed();
+    std::printf("backend: %s, seed %u (KVSWAP_SEED=%u replays it)\n", dm_backend_name(), g_seed, g_seed);
     CHECK(std::string(kvswap_last_error()).empty());
     CHECK(std::strlen(kvswap_version()) > 0);
     CHECK_OK(kvswap_set_log_level(2));  // keep creation lines off stderr

@@ -352,7 +352,7 @@ mod tests {
         let e = ctx.stats(0).unwrap_err();
         assert_eq!(e.status, KvswapStatus::Panic, "{e}");
         assert!(e.message.contains("layer 0 is unusable"), "{e}");
-        assert!(ctx.sync().is_err(), "sync reaches the poisoned layer");
+        assert_eq!(ctx.sync().unwrap_err().status, KvswapStatus::Panic, "sync reaches the poisoned layer");
         ctx.stats(1).unwrap();
     }
 
@@ -384,6 +384,25 @@ mod tests {
                 ctx.sync().unwrap();
             }
         }
+    }
+
+    /// Deferred errors on several layers: sync returns the lowest-numbered
+    /// layer's and clears them all (as the header says).
+    #[test]
+    fn sync_returns_the_lowest_layers_error_and_clears_all() {
+        let config = Config { backend: BackendChoice::Cpu, enable: true, sync: false, gpu_chunks: 4, index_topk: 4, ..Config::default() };
+        let spec = KvswapLayerSpec { compressed_cap: 16, chunk_bytes: 32, staging: std::ptr::null_mut(), staging_stride: 0 };
+        let ctx = Context::new(config, &[spec, spec, spec]).unwrap();
+        let mut never_stored = [9i32];
+        ctx.swap_in(2, &mut never_stored, 0).unwrap(); // layer 2 first in time
+        assert_eq!(never_stored, [-1]);
+        let mut out_of_range = [99i32];
+        ctx.swap_in(1, &mut out_of_range, 0).unwrap();
+        let e = ctx.sync().unwrap_err();
+        assert_eq!(e.status, KvswapStatus::OutOfRange, "layer 1's error (the lower layer), not layer 2's: {e}");
+        assert!(e.message.contains("layer 1"), "{e}");
+        ctx.sync().unwrap(); // layer 2's was cleared too
+        ctx.stats(2).unwrap();
     }
 
     /// sync() goes on past a poisoned layer: a later layer's deferred error

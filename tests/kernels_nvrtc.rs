@@ -41,6 +41,8 @@ fn every_kernel_compiles() {
 #[test]
 fn compile_errors_carry_the_log() {
     if !nvrtc::available() {
+        assert!(std::env::var_os("KVSWAP_REQUIRE_NVRTC").is_none(), "KVSWAP_REQUIRE_NVRTC is set but libnvrtc.so.13 cannot be loaded");
+        eprintln!("NOTE: NVRTC not found; compile-error reporting NOT checked");
         return;
     }
     let e = nvrtc::compile("bad.cu", "extern \"C\" __global__ void k() { undefined_thing(); }", (9, 0)).unwrap_err();

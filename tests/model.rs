@@ -64,6 +64,8 @@ fn run(steps: usize, strict: bool, rng: &mut Rng) {
                         if let Some(d) = deferred {
                             let e = ctx.sync().unwrap_err();
                             assert_eq!(e.status, status_of(d), "step {step}: deferred error");
+                        } else if !strict {
+                            ctx.sync().unwrap_or_else(|e| panic!("step {step}: no error was deferred, sync says {e}"));
                         }
                         for &p in idx[window as usize..].iter().filter(|&&p| p != -1) {
                             let slot = (p - window as i32) as u32;

@@ -5,13 +5,17 @@ use kvswap_layout_test::c;
 use std::mem::{align_of, offset_of, size_of};
 
 macro_rules! same_layout {
-    ($rust:ty, $c:ty, [$($f:ident),* $(,)?]) => {{
+    ($rust:path, $c:path, [$($f:ident),* $(,)?]) => {{
         assert_eq!(size_of::<$rust>(), size_of::<$c>(), "size of {}", stringify!($rust));
         assert_eq!(align_of::<$rust>(), align_of::<$c>(), "align of {}", stringify!($rust));
         $(assert_eq!(offset_of!($rust, $f), offset_of!($c, $f), "offset of {}.{}", stringify!($rust), stringify!($f));)*
-        // Listing every field: the field sizes plus padding must add up.
-        let listed: &[&str] = &[$(stringify!($f)),*];
-        let _ = listed;
+        // The list names every field of both structs: a struct pattern
+        // without `..` does not compile when a field is missing from it.
+        #[allow(dead_code)]
+        fn every_field_listed(r: &$rust, c: &$c) {
+            let $rust { $($f: _),* } = r;
+            let $c { $($f: _),* } = c;
+        }
     }};
 }
 
