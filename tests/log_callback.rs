@@ -61,6 +61,38 @@ unsafe extern "C" fn reentrant(_level: u32, _line: *const c_char, user_data: *mu
     }
 }
 
+/// Threads that log without pause until stopped.
+struct Loggers {
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<u64>>,
+}
+
+impl Loggers {
+    fn start(n: usize) -> Loggers {
+        let stop = Arc::new(AtomicBool::new(false));
+        let threads = (0..n)
+            .map(|t| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mut n = 0u64;
+                    while !stop.load(Ordering::SeqCst) {
+                        log::info!("logger {t} line {n}");
+                        n += 1;
+                    }
+                    n
+                })
+            })
+            .collect();
+        Loggers { stop, threads }
+    }
+
+    /// Stops them; the lines they logged.
+    fn stop(self) -> u64 {
+        self.stop.store(true, Ordering::SeqCst);
+        self.threads.into_iter().map(|h| h.join().unwrap()).sum()
+    }
+}
+
 /// Runs `f` on a thread and fails the test if it does not finish in 30 s.
 fn within_30s(what: &str, f: impl FnOnce() + Send + 'static) {
     let (tx, rx) = mpsc::channel();
@@ -80,20 +112,7 @@ fn replaced_callback_is_never_called_after_the_replacement_returns() {
     // Part 1: four threads log without pause while the callback is replaced
     // 300 times; each replaced probe is marked released right after the
     // replacement returns, and must never be seen by a call again.
-    let stop = Arc::new(AtomicBool::new(false));
-    let loggers: Vec<_> = (0..4)
-        .map(|t| {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let mut n = 0u64;
-                while !stop.load(Ordering::SeqCst) {
-                    log::info!("logger {t} line {n}");
-                    n += 1;
-                }
-                n
-            })
-        })
-        .collect();
+    let loggers = Loggers::start(4);
     let probes: Arc<Mutex<Vec<Box<Probe>>>> = Arc::new(Mutex::new(Vec::new()));
     let p2 = probes.clone();
     within_30s("replacing under load", move || {
@@ -110,8 +129,7 @@ fn replaced_callback_is_never_called_after_the_replacement_returns() {
         current.alive.store(false, Ordering::SeqCst);
         p2.lock().unwrap().push(current);
     });
-    stop.store(true, Ordering::SeqCst);
-    let lines: u64 = loggers.into_iter().map(|h| h.join().unwrap()).sum();
+    let lines = loggers.stop();
     let probes = probes.lock().unwrap();
     let calls: usize = probes.iter().map(|p| p.calls.load(Ordering::SeqCst)).sum();
     let late: usize = probes.iter().map(|p| p.late.load(Ordering::SeqCst)).sum();
@@ -122,19 +140,7 @@ fn replaced_callback_is_never_called_after_the_replacement_returns() {
     // inside themselves (with their own probe), and two threads replace
     // from outside at once: no deadlock, and no probe released by an
     // outside replacement is seen again.
-    let stop = Arc::new(AtomicBool::new(false));
-    let loggers: Vec<_> = (0..4)
-        .map(|t| {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let mut n = 0u64;
-                while !stop.load(Ordering::SeqCst) {
-                    log::info!("logger {t} line {n}");
-                    n += 1;
-                }
-            })
-        })
-        .collect();
+    let loggers = Loggers::start(4);
     let probes: Arc<Mutex<Vec<Box<Probe>>>> = Arc::new(Mutex::new(Vec::new()));
     let replacers: Vec<_> = (0..2)
         .map(|_| {
@@ -162,10 +168,7 @@ fn replaced_callback_is_never_called_after_the_replacement_returns() {
         p.alive.store(false, Ordering::SeqCst);
     }
     std::thread::sleep(Duration::from_millis(20));
-    stop.store(true, Ordering::SeqCst);
-    for l in loggers {
-        l.join().unwrap();
-    }
+    loggers.stop();
     let calls3: usize = probes3.iter().map(|p| p.calls.load(Ordering::SeqCst)).sum();
     let late3: usize = probes3.iter().map(|p| p.late.load(Ordering::SeqCst)).sum();
     assert!(calls3 > 0, "the callbacks ran");

@@ -171,6 +171,28 @@ fn gpu_topk_in(d: &Dev, scorer: &Scorer, hidden: &[f32], keys: &HostKeys, k: u32
     r.map(|_| got)
 }
 
+/// A sequence's device copies (hidden state, keys, scales, a poisoned
+/// output of k ids), kept alive while its `SeqRef` is used.
+struct SeqBufs {
+    _hidden: DeviceBuffer,
+    _keys: DeviceBuffer,
+    _scales: DeviceBuffer,
+    out: DeviceBuffer,
+}
+
+/// Uploads one sequence of a batch.
+fn upload_seq(d: &Dev, hidden: &[f32], keys: &HostKeys, k: u32) -> (SeqRef, SeqBufs) {
+    let (hb, kb, sc) = (d.upload(&f32_bytes(hidden)), d.upload(&keys.bytes), d.upload(&f32_bytes(&keys.scales)));
+    let out = d.upload(&vec![0x11u8; 4 * k as usize]);
+    let seq = SeqRef {
+        hidden: hb.ptr,
+        keys: KeysRef { data: kb.ptr, scales: if keys.scales.is_empty() { 0 } else { sc.ptr }, row_stride: 0, dtype: keys.dtype },
+        n_chunks: keys.n,
+        out: out.ptr,
+    };
+    (seq, SeqBufs { _hidden: hb, _keys: kb, _scales: sc, out })
+}
+
 /// Reference scores and per-chunk tolerance (see the file comment).
 fn reference_with_tolerance(ckpt: &Checkpoint, e: Ensemble, hidden: &[f32], keys: &HostKeys) -> (Vec<f64>, Vec<f64>) {
     let projs: Vec<Projection> = reference::project_batch(ckpt, &[hidden]).pop().unwrap();
@@ -435,21 +457,13 @@ fn cuda_batch_equals_single_calls() {
             let n = 500 + rng.below(3000) as usize;
             let keys = HostKeys::random(&mut rng, dt, n, dim as usize, 1.0);
             singles.push(gpu_topk(&d, &scorer, &hidden, &keys, k).unwrap());
-            let hb = d.upload(&f32_bytes(&hidden));
-            let kb = d.upload(&keys.bytes);
-            let sc = d.upload(&f32_bytes(&keys.scales));
-            let out = d.upload(&vec![0x11u8; 4 * k as usize]);
-            seqs.push(SeqRef {
-                hidden: hb.ptr,
-                keys: KeysRef { data: kb.ptr, scales: if keys.scales.is_empty() { 0 } else { sc.ptr }, row_stride: 0, dtype: dt },
-                n_chunks: keys.n,
-                out: out.ptr,
-            });
-            keep.push((hb, kb, sc, out));
+            let (seq, bufs) = upload_seq(&d, &hidden, &keys, k);
+            seqs.push(seq);
+            keep.push(bufs);
         }
         unsafe { scorer.score_topk_batch(&seqs, k, d.stream.0 as u64).unwrap() };
-        for (i, (_, _, _, out)) in keep.iter().enumerate() {
-            assert_eq!(d.download_i32(out, k as usize), singles[i], "batch {b}: sequence {i} differs from its single call");
+        for (i, bufs) in keep.iter().enumerate() {
+            assert_eq!(d.download_i32(&bufs.out, k as usize), singles[i], "batch {b}: sequence {i} differs from its single call");
         }
     }
 }
@@ -511,21 +525,15 @@ fn cuda_batch_errors_name_the_sequence_and_survive_growth() {
         if i == bad_at {
             hidden[hid as usize + 9] = f32::NAN;
         }
-        let (hb, kb, sc) = (d.upload(&f32_bytes(&hidden)), d.upload(&keys.bytes), d.upload(&f32_bytes(&keys.scales)));
-        let out = d.upload(&vec![0x11u8; 4 * k as usize]);
-        seqs.push(SeqRef {
-            hidden: hb.ptr,
-            keys: KeysRef { data: kb.ptr, scales: if keys.scales.is_empty() { 0 } else { sc.ptr }, row_stride: 0, dtype: dt },
-            n_chunks: keys.n,
-            out: out.ptr,
-        });
-        keep.push((hb, kb, sc, out));
+        let (seq, bufs) = upload_seq(&d, &hidden, &keys, k);
+        seqs.push(seq);
+        keep.push(bufs);
     }
     let e = unsafe { scorer.score_topk_batch(&seqs, k, d.stream.0 as u64) }.unwrap_err();
     assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
     assert!(e.message.contains(&format!("sequence {bad_at}")) && e.message.contains("scorer 1") && e.message.contains("position 9"), "{e}");
-    for (i, (_, _, _, out)) in keep.iter().enumerate() {
-        let got = d.download_i32(out, k as usize);
+    for (i, bufs) in keep.iter().enumerate() {
+        let got = d.download_i32(&bufs.out, k as usize);
         if i % 2 == 0 {
             assert_eq!(got, singles[i], "bf16 sequence {i} (group before the error) differs from its single call");
         } else {

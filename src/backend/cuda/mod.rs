@@ -145,7 +145,7 @@ impl Backend for CudaBackend {
         let total = plans
             .iter()
             .try_fold(0u64, |a, p| p.host_bytes().checked_next_multiple_of(ALIGN).and_then(|b| a.checked_add(b)))
-            .filter(|&t| t >= self.host_bytes(plans) && usize::try_from(t).is_ok())
+            .filter(|&t| usize::try_from(t).is_ok())
             .ok_or_else(|| Error::new(KvswapStatus::OutOfMemory, "the host tiers of all layers exceed the address space"))?;
         let pool = Arc::new(PinnedBuffer::alloc(total as usize)?);
         let mut layers: Vec<Box<dyn LayerOps>> = Vec::with_capacity(plans.len());
@@ -348,8 +348,8 @@ impl CudaLayer {
         };
         // Reads back: slot -> chunk (swapping layers), the stored bits, the
         // counters and error record, or one staged row.
-        let table_slots = if p.swap { slots } else { 0 };
-        let readback_bytes = (4 * table_slots.max(cap.div_ceil(32)).max(64)).max(p.chunk_bytes);
+        let words = (meta.lru - meta.slot_chunk).max(meta.selected - meta.stored).max(64);
+        let readback_bytes = (4 * words).max(p.chunk_bytes);
         let layer = CudaLayer {
             readback: PinnedBuffer::alloc(readback_bytes)?,
             done: Event::new(false)?,

@@ -247,15 +247,6 @@ fn check_stream(device: &Device, stream: StreamHandle) -> Result<CUstream> {
     Ok(s)
 }
 
-/// Refuses a wait on a stream being captured (the wait would end the
-/// engine's capture with an error).
-fn refuse_capturing(s: CUstream) -> Result<()> {
-    if driver::is_capturing(s)? {
-        return Err(Error::invalid("the stream is being captured into a CUDA graph: wait for it after the capture ends"));
-    }
-    Ok(())
-}
-
 fn check_device_ptr(device: &Device, ptr: u64, bytes: u64, what: &str) -> Result<()> {
     super::check_device_range(device, ptr, bytes, what).map(|_| ())
 }
@@ -315,10 +306,17 @@ impl Workspaces {
         Ok(ws.as_ref().unwrap())
     }
 
-    /// Waits for `s` and returns (clearing them) the errors its calls
-    /// recorded: in its workspace, or in one it outgrew (a graph captured
-    /// before the growth records there). The first found is returned.
-    fn take_errors(&self, s: CUstream) -> Result<()> {
+    /// Waits for `stream` (checked, of `device`, not being captured: the
+    /// wait would end the capture) and returns (clearing them) the errors
+    /// its calls recorded: in its workspace, or in one it outgrew (a graph
+    /// captured before the growth records there). The first found is
+    /// returned.
+    fn sync_errors(&self, device: &Device, stream: StreamHandle) -> Result<()> {
+        let _g = device.bind()?;
+        let s = check_stream(device, stream)?;
+        if driver::is_capturing(s)? {
+            return Err(Error::invalid("the stream is being captured into a CUDA graph: wait for it after the capture ends"));
+        }
         driver::stream_sync(s)?;
         let key = workspace_key(s);
         let mut first = Ok(());
@@ -706,10 +704,7 @@ impl CudaScorer {
     /// Waits for `stream` and returns (and clears) an error an earlier
     /// asynchronous call recorded on it.
     pub fn sync_errors(&self, stream: StreamHandle) -> Result<()> {
-        let _g = self.device().bind()?;
-        let s = check_stream(self.device(), stream)?;
-        refuse_capturing(s)?;
-        self.workspaces.take_errors(s)
+        self.workspaces.sync_errors(self.device(), stream)
     }
 
     /// Bytes of the weights on the device and their dtype.
@@ -834,11 +829,7 @@ impl CudaBounds {
     pub fn sync_errors(device: i32, stream: StreamHandle) -> Result<()> {
         let found = ALL_BOUNDS.get().and_then(|all| all.lock().unwrap_or_else(|p| p.into_inner()).get(&(device, false)).cloned());
         let Some(me) = found else { return Ok(()) };
-        let dev = &me.launch.device;
-        let _g = dev.bind()?;
-        let s = check_stream(dev, stream)?;
-        refuse_capturing(s)?;
-        me.workspaces.take_errors(s)
+        me.workspaces.sync_errors(&me.launch.device, stream)
     }
 
     /// The bounds scorer of `device`, created once per process.
