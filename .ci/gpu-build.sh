@@ -34,5 +34,18 @@ for v in ${FM_VARIANTS:-}; do
   python3 .ci/fm-source.py "${v#*=}" > ".gpu/variants/${v%%=*}.cu"
   echo "variant: ${v%%=*} = $(git rev-parse --short "${v#*=}")"
 done
-strip --strip-debug .gpu/kvswap .gpu/libkvswap.so .gpu/tests/* 2>/dev/null || true
+# A baseline build to time beside this one (development: host and kernel
+# changes together): BASELINE_REV=rev builds the kvswap CLI of revision rev
+# into .gpu/baseline/ (a git worktree, its own target dir), which
+# `gpu-run.sh baseline` benchmarks alternately with .gpu/kvswap.
+if [[ -n ${BASELINE_REV:-} ]]; then
+  wt=$(mktemp -d)
+  git worktree add -q --detach "$wt" "$BASELINE_REV"
+  (cd "$wt" && CARGO_TARGET_DIR="$PWD/../kvswap-baseline-target" cargo build --release --bin kvswap) || { git worktree remove --force "$wt"; exit 1; }
+  mkdir -p .gpu/baseline && cp "$wt/../kvswap-baseline-target/release/kvswap" .gpu/baseline/
+  git rev-parse --short "$BASELINE_REV" > .gpu/baseline/REV
+  git worktree remove --force "$wt"
+  echo "baseline: $(cat .gpu/baseline/REV)"
+fi
+strip --strip-debug .gpu/kvswap .gpu/libkvswap.so .gpu/tests/* .gpu/baseline/kvswap 2>/dev/null || true
 du -sh .gpu

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the GPU benchmark from .gpu/ (see .ci/gpu-build.sh)
 # on a machine with an NVIDIA GPU. Logs and JSON go to $OUT (or ./gpu-out).
-#   what=tests|multi|sanitize|bench|fm|all (default all), scorer|ffi|variants
+#   what=tests|multi|sanitize|bench|fm|all (default all), scorer|ffi|variants|baseline
 #   (kernel development), or a profiling mode:
 #   profile|sass|ncu-detail|pipes (see README.md)
 set -uo pipefail
@@ -56,6 +56,32 @@ names = sorted({n for v in rows.values() for n in v})
 print("scope  keys  chunks   " + "  ".join(f"{n:>22s}" for n in names))
 for key, v in sorted(rows.items()):
     print(f"{key[0]:6s} {key[1]:5s} {key[2]:7d}  " + "  ".join(f"{' / '.join(f'{x:.1f}' for x in v.get(n, [])):>22s}" for n in names))
+PY
+fi
+if [[ $what == baseline ]]; then
+  # The scorer's quick benchmark of this build and of .gpu/baseline/kvswap
+  # (gpu-build.sh BASELINE_REV=rev), alternated twice (order effects).
+  [[ -x .gpu/baseline/kvswap ]] || { echo "no .gpu/baseline/kvswap: run gpu-build.sh with BASELINE_REV=rev"; exit 1; }
+  for round in 1 2; do
+    step "baseline-$round" .gpu/baseline/kvswap bench --backend cuda --scorer --quick --json "$OUT/baseline-$round.json"
+    step "this-$round" .gpu/kvswap bench --backend cuda --scorer --quick --json "$OUT/this-$round.json"
+  done
+  python3 - "$OUT" "$(cat .gpu/baseline/REV)" <<'PY'
+import json, os, sys
+out, rev = sys.argv[1], sys.argv[2]
+runs = {name: [json.load(open(os.path.join(out, f"{name}-{r}.json"))) for r in (1, 2) if os.path.exists(os.path.join(out, f"{name}-{r}.json"))]
+        for name in ("baseline", "this")}
+both = lambda name, f: "  ".join(f(j) for j in runs[name])
+print(f"one call per graph / back to back, us (two rounds each); baseline = {rev}")
+keys = [(r["scope"], r["keys"], r["chunks"]) for r in runs["this"][0]["rows"]] if runs["this"] else []
+for key in keys:
+    cell = lambda j: next((f"{r['kvswap_us']:6.1f} / {r['back_to_back_us']:6.1f}" for r in j["rows"] if (r["scope"], r["keys"], r["chunks"]) == key), "-")
+    print(f"{key[0]:6s} {key[1]:9s} {key[2]:8d}   baseline {both('baseline', cell)}   this {both('this', cell)}")
+for b in range(len(runs["this"][0]["batch"]) if runs["this"] else 0):
+    cell = lambda j: f"{j['batch'][b]['per_seq_us']:6.1f} (single {j['batch'][b]['single_call_us']:6.1f})"
+    print(f"batch B={runs['this'][0]['batch'][b]['seqs']:<3d} per sequence   baseline {both('baseline', cell)}   this {both('this', cell)}")
+cell = lambda j: f"scorer {j['step']['scorer_us']:6.1f} step {j['step']['step_us']:6.1f}" if j.get("step") else "-"
+print(f"decode step              baseline {both('baseline', cell)}   this {both('this', cell)}")
 PY
 fi
 if [[ $what == ffi ]]; then
