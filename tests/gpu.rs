@@ -99,7 +99,9 @@ fn cuda_matches_cpu_async() {
 /// A decode step over 21 layers (store the new chunk, swap in the global
 /// top-k) captured once in a CUDA graph and replayed 1,000 times with new
 /// selections written into the captured index buffer; equal to the CPU
-/// backend at every step.
+/// backend at every step (index buffers and statistics; the staged bytes of
+/// every selected slot of one layer every 10th step, of all layers every
+/// 100th).
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn graph_replay_21_layers_matches_cpu() {
@@ -185,8 +187,11 @@ fn graph_replay_21_layers_matches_cpu() {
             unsafe { driver::copy_dtoh_async(got.as_mut_ptr() as *mut u8, idx[l].ptr, 4 * n_idx, s).unwrap() };
             stream.sync().unwrap();
             assert_eq!(got, expect[l], "step {step} layer {l}: physical ids");
-            if step % 50 == 0 {
-                for &p in got[window as usize..].iter().step_by(37) {
+            assert_eq!(cpu.stats(l).unwrap(), gpu.stats(l).unwrap(), "step {step} layer {l}: stats");
+            // The staged bytes of every selected slot: one layer in turn every
+            // 10th step, every layer every 100th (each slot is a read-back).
+            if (step % 10 == 0 && l == (step / 10) % layers) || step % 100 == 0 {
+                for &p in &got[window as usize..] {
                     let slot = (p - window as i32) as u32;
                     assert_eq!(cpu.slot_bytes(l, slot).unwrap(), gpu.slot_bytes(l, slot).unwrap(), "step {step} layer {l} slot {slot}");
                 }
@@ -196,6 +201,60 @@ fn graph_replay_21_layers_matches_cpu() {
     for l in 0..layers {
         assert_eq!(cpu.stats(l).unwrap(), gpu.stats(l).unwrap(), "layer {l}: stats after replays");
     }
+}
+
+/// KVSWAP_VALIDATE on CUDA: a staged slot overwritten behind kvswap's back
+/// (the chunk stays resident, so the next swap-in is a hit and copies
+/// nothing) is reported as VALIDATION_FAILED naming the chunk: by the call
+/// itself with sync = 1, by `sync` with sync = 0 (the call returns OK). The
+/// error is reported once; swap-ins of intact slots report nothing.
+fn validate_reports_a_corrupted_slot(sync: bool) {
+    let mut rng = Rng::fresh(if sync { "gpu validate sync" } else { "gpu validate async" });
+    let (cap, chunk, slots) = (64u32, 256usize, 8u32);
+    let gpu = Context::new(Config { validate: true, ..config(BackendChoice::Cuda, slots, sync) }, &[spec(cap, chunk as u32)]).unwrap();
+    let mut rows = vec![0u8; cap as usize * chunk];
+    rng.fill(&mut rows);
+    let ids: Vec<i32> = (0..cap as i32).collect();
+    gpu.store_rows(0, &ids, &rows).unwrap();
+    let victim = 5 + rng.below(50) as i32;
+    let swap = |sel: &[i32]| -> kvswap::Result<Vec<i32>> {
+        let mut a = sel.to_vec();
+        let r = gpu.swap_in(0, &mut a, 0);
+        if sync {
+            r.map(|_| a)
+        } else {
+            r.expect("with sync = 0 the call itself succeeds");
+            gpu.sync().map(|_| a)
+        }
+    };
+    let staged = swap(&[3, victim, 60]).unwrap();
+    let slot = staged[1] as u32;
+    assert_eq!(gpu.slot_bytes(0, slot).unwrap(), rows[victim as usize * chunk..][..chunk], "the victim's slot holds its bytes");
+    // Overwrite one byte of the victim's slot on the device.
+    let view = gpu.staging(0).unwrap();
+    let dev = Device::open(0).unwrap();
+    let _g = dev.bind().unwrap();
+    let s = OwnedStream::new().unwrap();
+    let flipped = [rows[victim as usize * chunk + 77] ^ 0x40];
+    unsafe { driver::copy_htod_async(view.ptr + slot as u64 * view.stride + 77, flipped.as_ptr(), 1, s.0).unwrap() };
+    s.sync().unwrap();
+    let e = swap(&[3, victim, 60]).unwrap_err();
+    assert_eq!(e.status, kvswap::KvswapStatus::ValidationFailed, "{e}");
+    assert!(e.message.contains(&format!("chunk {victim} (position 1)")), "{e}");
+    gpu.sync().unwrap(); // reported once
+    assert_eq!(swap(&[3, 60]).unwrap(), staged.iter().copied().filter(|&p| p != slot as i32).collect::<Vec<_>>(), "intact slots: no error, same slots");
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_validate_reports_a_corrupted_slot_sync() {
+    validate_reports_a_corrupted_slot(true);
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_validate_reports_a_corrupted_slot_async() {
+    validate_reports_a_corrupted_slot(false);
 }
 
 /// Explicit CUDA with a bad device ordinal is NO_DEVICE, never a crash.

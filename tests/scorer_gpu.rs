@@ -96,6 +96,13 @@ impl Dev {
         self.stream.sync().unwrap();
         b
     }
+    /// Overwrites the start of `b` with `bytes`.
+    fn upload_into(&self, b: &DeviceBuffer, bytes: &[u8]) {
+        assert!(bytes.len() <= b.bytes);
+        let _g = self.dev.bind().unwrap();
+        unsafe { driver::copy_htod_async(b.ptr, bytes.as_ptr(), bytes.len(), self.stream.0).unwrap() };
+        self.stream.sync().unwrap();
+    }
     fn download_i32(&self, b: &DeviceBuffer, n: usize) -> Vec<i32> {
         let _g = self.dev.bind().unwrap();
         let mut v = vec![0i32; n];
@@ -174,7 +181,7 @@ fn gpu_topk_in(d: &Dev, scorer: &Scorer, hidden: &[f32], keys: &HostKeys, k: u32
 /// A sequence's device copies (hidden state, keys, scales, a poisoned
 /// output of k ids), kept alive while its `SeqRef` is used.
 struct SeqBufs {
-    _hidden: DeviceBuffer,
+    hidden: DeviceBuffer,
     _keys: DeviceBuffer,
     _scales: DeviceBuffer,
     out: DeviceBuffer,
@@ -190,7 +197,7 @@ fn upload_seq(d: &Dev, hidden: &[f32], keys: &HostKeys, k: u32) -> (SeqRef, SeqB
         n_chunks: keys.n,
         out: out.ptr,
     };
-    (seq, SeqBufs { _hidden: hb, _keys: kb, _scales: sc, out })
+    (seq, SeqBufs { hidden: hb, _keys: kb, _scales: sc, out })
 }
 
 /// Reference scores and per-chunk tolerance (see the file comment).
@@ -445,25 +452,35 @@ fn cuda_batch_equals_single_calls() {
     let d = Dev::new();
     let (s, h, dim, hid) = (3u32, 64u32, 128u32, 512u32);
     let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
-    let scorer = Scorer::new(ckpt, 0).unwrap();
+    let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
     for b in [1usize, 8, 64, 70] {
         let k = 128u32;
         let mut seqs = Vec::new();
         let mut keep = Vec::new();
         let mut singles = Vec::new();
+        let mut inputs = Vec::new();
         for i in 0..b {
             let hidden = random_hidden(&mut rng, s, hid);
-            let dt = [KeyDtype::Bf16, KeyDtype::Fp8E4m3][i % 2];
+            let dt = [KeyDtype::Bf16, KeyDtype::Fp8E4m3, KeyDtype::F32][i % 3];
             let n = 500 + rng.below(3000) as usize;
             let keys = HostKeys::random(&mut rng, dt, n, dim as usize, 1.0);
             singles.push(gpu_topk(&d, &scorer, &hidden, &keys, k).unwrap());
             let (seq, bufs) = upload_seq(&d, &hidden, &keys, k);
             seqs.push(seq);
             keep.push(bufs);
+            inputs.push((hidden, keys));
         }
         unsafe { scorer.score_topk_batch(&seqs, k, d.stream.0 as u64).unwrap() };
         for (i, bufs) in keep.iter().enumerate() {
-            assert_eq!(d.download_i32(&bufs.out, k as usize), singles[i], "batch {b}: sequence {i} differs from its single call");
+            let got = d.download_i32(&bufs.out, k as usize);
+            assert_eq!(got, singles[i], "batch {b}: sequence {i} differs from its single call");
+            // And the reference itself (the batch of 8 and the one split into
+            // two launches; every key dtype, including f32 keys).
+            if b == 8 || b == 70 {
+                let (hidden, keys) = &inputs[i];
+                let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, hidden, keys);
+                check_topk(&got, &scores, &tol, k as usize, &format!("batch {b}: sequence {i} ({:?})", keys.dtype));
+            }
         }
     }
 }
@@ -543,10 +560,7 @@ fn cuda_batch_errors_name_the_sequence_and_survive_growth() {
     scorer.sync(d.stream.0 as u64).unwrap();
 
     // KVSWAP_SYNC=0: an error, then a call that grows the workspace.
-    std::env::set_var("KVSWAP_SYNC", "0");
-    let lazy = Scorer::new(ckpt.clone(), 0);
-    std::env::remove_var("KVSWAP_SYNC");
-    let lazy = lazy.unwrap();
+    let lazy = Scorer::with_sync(ckpt.clone(), 0, false).unwrap();
     let mut hidden = random_hidden(&mut rng, s, hid);
     let small = HostKeys::random(&mut rng, KeyDtype::Bf16, 1000, dim as usize, 1.0);
     let big = HostKeys::random(&mut rng, KeyDtype::Bf16, 5000, dim as usize, 1.0);
@@ -565,4 +579,86 @@ fn cuda_batch_errors_name_the_sequence_and_survive_growth() {
     let got = gpu_topk(&d, &lazy, &hidden, &big, k).unwrap();
     check_topk(&got, &scores, &tol, k as usize, "after the reported error");
     assert_ne!(good, got, "two inputs, two results");
+}
+
+/// Shapes the CUDA kernels do not cover are refused with UNSUPPORTED (naming
+/// the limit and the CPU scorer as the way out), while the CPU scorer takes
+/// the same checkpoint.
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_scorer_refuses_unsupported_shapes() {
+    let mut rng = Rng::fresh("scorer gpu unsupported");
+    // (scorers, heads, head_dim, hidden), and what the message names.
+    let shapes = [
+        ((1u32, 8u32, 96u32, 64u32), "head_dim=96"),
+        ((1, 12, 64, 64), "n_heads=12"),
+        ((1, 96, 64, 64), "n_heads=96"),
+        ((1, 8, 64, 100), "hidden=100"),
+        ((3, 128, 256, 64), "shared memory"),
+    ];
+    for (shape, names) in shapes {
+        let ckpt = checkpoint(&mut rng, shape.0, shape.1, shape.2, shape.3, WeightDtype::Bf16);
+        let e = Scorer::new(ckpt.clone(), 0).err().unwrap_or_else(|| panic!("{shape:?}: the CUDA scorer accepted it"));
+        assert_eq!(e.status, kvswap::KvswapStatus::Unsupported, "{shape:?}: {e}");
+        assert!(e.message.contains(names) && e.message.contains("device -1"), "{shape:?}: {e}");
+        Scorer::new(ckpt, -1).unwrap_or_else(|e| panic!("{shape:?}: the CPU scorer refused it: {e}"));
+    }
+}
+
+/// A call captured in a CUDA graph (sync = 0) and replayed: equal to the
+/// reference; after a NaN is written into the captured hidden state a replay
+/// writes -1 everywhere and `sync` reports the error once; with the hidden
+/// state restored the next replay is right again.
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_scorer_graph_replay_reports_nan_through_sync() {
+    use cudarc::driver::sys;
+    let mut rng = Rng::fresh("scorer gpu graph nan");
+    let d = Dev::new();
+    let (s, h, dim, hid) = (3u32, 64u32, 128u32, 512u32);
+    let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
+    let scorer = Scorer::with_sync(ckpt.clone(), 0, false).unwrap();
+    let k = 256u32;
+    let mut hidden = random_hidden(&mut rng, s, hid);
+    let keys = HostKeys::random(&mut rng, KeyDtype::Bf16, 20_000, dim as usize, 1.0);
+    let (seq, bufs) = upload_seq(&d, &hidden, &keys, k);
+    let st = d.stream.0;
+    // One eager call sizes the stream's workspace (it cannot grow in a capture).
+    unsafe { scorer.score_topk(&seq, k, st as u64).unwrap() };
+    scorer.sync(st as u64).unwrap();
+    let _g = d.dev.bind().unwrap();
+    let exec = unsafe {
+        let mut g = std::ptr::null_mut();
+        driver::check(sys::cuStreamBeginCapture_v2(st, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL), "begin capture").unwrap();
+        let r = scorer.score_topk(&seq, k, st as u64);
+        driver::check(sys::cuStreamEndCapture(st, &mut g), "end capture").unwrap();
+        r.unwrap();
+        let mut exec = std::ptr::null_mut();
+        driver::check(sys::cuGraphInstantiateWithFlags(&mut exec, g, 0), "instantiate").unwrap();
+        driver::check(sys::cuGraphDestroy(g), "graph destroy").unwrap();
+        exec
+    };
+    let replay = || {
+        d.upload_into(&bufs.out, &vec![0x5au8; 4 * k as usize]); // poisoned
+        unsafe { driver::check(sys::cuGraphLaunch(exec, st), "graph launch").unwrap() };
+        d.stream.sync().unwrap();
+        d.download_i32(&bufs.out, k as usize)
+    };
+    let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
+    check_topk(&replay(), &scores, &tol, k as usize, "first replay");
+    scorer.sync(st as u64).unwrap();
+    let saved = hidden[2 * hid as usize + 17];
+    hidden[2 * hid as usize + 17] = f32::NAN;
+    d.upload_into(&bufs.hidden, &f32_bytes(&hidden));
+    let got = replay();
+    assert!(got.iter().all(|&x| x == -1), "a NaN replay writes -1: {got:?}");
+    let e = scorer.sync(st as u64).unwrap_err();
+    assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
+    assert!(e.message.contains("scorer 2") && e.message.contains("position 17"), "{e}");
+    scorer.sync(st as u64).unwrap();
+    hidden[2 * hid as usize + 17] = saved;
+    d.upload_into(&bufs.hidden, &f32_bytes(&hidden));
+    check_topk(&replay(), &scores, &tol, k as usize, "replay after the error");
+    scorer.sync(st as u64).unwrap();
+    unsafe { driver::check(sys::cuGraphExecDestroy(exec), "exec destroy").unwrap() };
 }

@@ -129,12 +129,14 @@ pub trait BoundsBackend: Send + Sync {
 
 /// The scoring backend for `device`: -1 is the CPU reference, >= 0 a CUDA
 /// ordinal (see [`cuda_scorer`]).
-pub fn open_scorer(ckpt: Arc<Checkpoint>, device: i32) -> Result<Box<dyn ScorerBackend>> {
+/// `sync`: whether a device call waits and returns its own errors (None:
+/// `KVSWAP_SYNC` decides; the CPU always reports at once).
+pub fn open_scorer(ckpt: Arc<Checkpoint>, device: i32, sync: Option<bool>) -> Result<Box<dyn ScorerBackend>> {
     super::args::check_device(device)?;
     if device == -1 {
         return Ok(Box::new(CpuScorer::new(ckpt)));
     }
-    cuda_scorer(ckpt, device)
+    cuda_scorer(ckpt, device, sync)
 }
 
 /// The bounds backend for `device` (-1: CPU, >= 0: CUDA, see [`cuda_bounds`]).
@@ -154,10 +156,15 @@ fn sync_setting() -> Result<bool> {
 }
 
 /// The CUDA scorer bound to `device` (tensor-core kernels, weights uploaded
-/// as stored). `KVSWAP_SYNC` decides whether calls wait for their result.
+/// as stored). `sync` (None: `KVSWAP_SYNC`) decides whether calls wait for
+/// their result.
 #[cfg(feature = "cuda")]
-pub fn cuda_scorer(ckpt: Arc<Checkpoint>, device: i32) -> Result<Box<dyn ScorerBackend>> {
-    Ok(Box::new(crate::backend::cuda::scorer::CudaScorer::new(&ckpt, device, sync_setting()?)?))
+pub fn cuda_scorer(ckpt: Arc<Checkpoint>, device: i32, sync: Option<bool>) -> Result<Box<dyn ScorerBackend>> {
+    let sync = match sync {
+        Some(s) => s,
+        None => sync_setting()?,
+    };
+    Ok(Box::new(crate::backend::cuda::scorer::CudaScorer::new(&ckpt, device, sync)?))
 }
 
 /// The CUDA bounds scorer of `device` (one per device and process).
@@ -169,7 +176,7 @@ pub fn cuda_bounds(device: i32) -> Result<Box<dyn BoundsBackend>> {
 
 /// Without the `cuda` feature a device ordinal is `KVSWAP_STATUS_NO_DEVICE`.
 #[cfg(not(feature = "cuda"))]
-pub fn cuda_scorer(_ckpt: Arc<Checkpoint>, device: i32) -> Result<Box<dyn ScorerBackend>> {
+pub fn cuda_scorer(_ckpt: Arc<Checkpoint>, device: i32, _sync: Option<bool>) -> Result<Box<dyn ScorerBackend>> {
     Err(no_cuda_scorer(device))
 }
 

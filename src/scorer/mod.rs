@@ -71,9 +71,22 @@ impl Scorer {
         Scorer::new(ckpt, device)
     }
 
-    /// Binds an already loaded checkpoint to `device`.
+    /// Binds an already loaded checkpoint to `device`; on CUDA,
+    /// `KVSWAP_SYNC` decides whether calls wait for their result.
     pub fn new(checkpoint: Arc<Checkpoint>, device: i32) -> Result<Scorer> {
-        let backend = backend::open_scorer(checkpoint.clone(), device)?;
+        Scorer::open(checkpoint, device, None)
+    }
+
+    /// As [`Scorer::new`], with the sync setting given instead of read from
+    /// `KVSWAP_SYNC`: `false` makes CUDA calls return once queued (capturable
+    /// in a CUDA graph), their device errors reported by [`Scorer::sync`].
+    /// The CPU always reports at once.
+    pub fn with_sync(checkpoint: Arc<Checkpoint>, device: i32, sync: bool) -> Result<Scorer> {
+        Scorer::open(checkpoint, device, Some(sync))
+    }
+
+    fn open(checkpoint: Arc<Checkpoint>, device: i32, sync: Option<bool>) -> Result<Scorer> {
+        let backend = backend::open_scorer(checkpoint.clone(), device, sync)?;
         let ensemble = AtomicU32::new(ensemble_code(checkpoint.meta().ensemble));
         Ok(Scorer { checkpoint, backend, ensemble })
     }
