@@ -36,16 +36,19 @@ for v in ${FM_VARIANTS:-}; do
 done
 # A baseline build to time beside this one (development: host and kernel
 # changes together): BASELINE_REV=rev builds the kvswap CLI of revision rev
-# into .gpu/baseline/ (a git worktree, its own target dir), which
-# `gpu-run.sh baseline` benchmarks alternately with .gpu/kvswap.
+# into .gpu/baseline/ (a git worktree removed afterwards, built in
+# target/baseline/, kept as a cache), which `gpu-run.sh baseline` benchmarks
+# alternately with .gpu/kvswap.
 if [[ -n ${BASELINE_REV:-} ]]; then
+  rev=$(git rev-parse --verify --short "$BASELINE_REV^{commit}") || { echo "BASELINE_REV=$BASELINE_REV: not a revision" >&2; exit 1; }
+  bt="$PWD/target/baseline"
   wt=$(mktemp -d)
-  git worktree add -q --detach "$wt" "$BASELINE_REV"
-  (cd "$wt" && CARGO_TARGET_DIR="$PWD/../kvswap-baseline-target" cargo build --release --bin kvswap) || { git worktree remove --force "$wt"; exit 1; }
-  mkdir -p .gpu/baseline && cp "$wt/../kvswap-baseline-target/release/kvswap" .gpu/baseline/
-  git rev-parse --short "$BASELINE_REV" > .gpu/baseline/REV
-  git worktree remove --force "$wt"
-  echo "baseline: $(cat .gpu/baseline/REV)"
+  trap 'git worktree remove --force "$wt" 2>/dev/null; rm -rf "$wt"' EXIT
+  git worktree add -q --detach "$wt" "$rev"
+  (cd "$wt" && CARGO_TARGET_DIR="$bt" cargo build --release --bin kvswap)
+  mkdir -p .gpu/baseline && cp "$bt/release/kvswap" .gpu/baseline/
+  echo "$rev" > .gpu/baseline/REV
+  echo "baseline: $rev"
 fi
 strip --strip-debug .gpu/kvswap .gpu/libkvswap.so .gpu/tests/* .gpu/baseline/kvswap 2>/dev/null || true
 du -sh .gpu

@@ -59,29 +59,46 @@ for key, v in sorted(rows.items()):
 PY
 fi
 if [[ $what == baseline ]]; then
-  # The scorer's quick benchmark of this build and of .gpu/baseline/kvswap
-  # (gpu-build.sh BASELINE_REV=rev), alternated twice (order effects).
+  # The scorer benchmark of this build and of .gpu/baseline/kvswap
+  # (gpu-build.sh BASELINE_REV=rev): baseline, this, this, baseline (order
+  # effects cancel), then a table. BASELINE_ARGS: the benchmark's options
+  # (default --quick: 262,144 chunks, decode step on 65,536; empty: the
+  # whole benchmark, decode step on 262,144).
   [[ -x .gpu/baseline/kvswap ]] || { echo "no .gpu/baseline/kvswap: run gpu-build.sh with BASELINE_REV=rev"; exit 1; }
-  for round in 1 2; do
-    step "baseline-$round" .gpu/baseline/kvswap bench --backend cuda --scorer --quick --json "$OUT/baseline-$round.json"
-    step "this-$round" .gpu/kvswap bench --backend cuda --scorer --quick --json "$OUT/this-$round.json"
+  rm -f "$OUT"/{baseline,this}-[12].json  # the table reads this run's results only
+  for run in baseline-1:.gpu/baseline/kvswap this-1:.gpu/kvswap this-2:.gpu/kvswap baseline-2:.gpu/baseline/kvswap; do
+    step "${run%%:*}" "${run#*:}" bench --backend cuda --scorer ${BASELINE_ARGS---quick} --json "$OUT/${run%%:*}.json"
   done
-  python3 - "$OUT" "$(cat .gpu/baseline/REV)" <<'PY'
+  python3 - "$OUT" "$(cat .gpu/baseline/REV)" <<'PY' || fail=1
 import json, os, sys
 out, rev = sys.argv[1], sys.argv[2]
-runs = {name: [json.load(open(os.path.join(out, f"{name}-{r}.json"))) for r in (1, 2) if os.path.exists(os.path.join(out, f"{name}-{r}.json"))]
-        for name in ("baseline", "this")}
-both = lambda name, f: "  ".join(f(j) for j in runs[name])
-print(f"one call per graph / back to back, us (two rounds each); baseline = {rev}")
-keys = [(r["scope"], r["keys"], r["chunks"]) for r in runs["this"][0]["rows"]] if runs["this"] else []
-for key in keys:
-    cell = lambda j: next((f"{r['kvswap_us']:6.1f} / {r['back_to_back_us']:6.1f}" for r in j["rows"] if (r["scope"], r["keys"], r["chunks"]) == key), "-")
-    print(f"{key[0]:6s} {key[1]:9s} {key[2]:8d}   baseline {both('baseline', cell)}   this {both('this', cell)}")
-for b in range(len(runs["this"][0]["batch"]) if runs["this"] else 0):
-    cell = lambda j: f"{j['batch'][b]['per_seq_us']:6.1f} (single {j['batch'][b]['single_call_us']:6.1f})"
-    print(f"batch B={runs['this'][0]['batch'][b]['seqs']:<3d} per sequence   baseline {both('baseline', cell)}   this {both('this', cell)}")
-cell = lambda j: f"scorer {j['step']['scorer_us']:6.1f} step {j['step']['step_us']:6.1f}" if j.get("step") else "-"
-print(f"decode step              baseline {both('baseline', cell)}   this {both('this', cell)}")
+def load(name, r):
+    f = os.path.join(out, f"{name}-{r}.json")
+    return json.load(open(f)) if os.path.exists(f) else None
+runs = {name: {r: load(name, r) for r in (1, 2)} for name in ("baseline", "this")}
+if not any(runs["this"].values()) or not any(runs["baseline"].values()):
+    sys.exit("baseline: a build has no results (see the step logs above)")
+def cells(name, f):
+    return "  ".join(f"r{r} " + (f(j) if j else "failed") for r, j in runs[name].items())
+def row_cell(key):
+    def f(j):
+        r = next((r for r in j.get("rows", []) if (r["scope"], r["keys"], r["chunks"]) == key), None)
+        if r is None:
+            return "-"
+        b2b = r.get("back_to_back_us")  # absent before 89838b5
+        return f"{r['kvswap_us']:6.1f} / " + (f"{b2b:6.1f}" if b2b is not None else "     -")
+    return f
+print(f"one call per graph / back to back, us, rounds r1 and r2; baseline = {rev}")
+first = next(j for j in list(runs["this"].values()) + list(runs["baseline"].values()) if j)
+for key in [(r["scope"], r["keys"], r["chunks"]) for r in first.get("rows", [])]:
+    print(f"{key[0]:6s} {key[1]:9s} {key[2]:8d}   baseline {cells('baseline', row_cell(key))}   this {cells('this', row_cell(key))}")
+for seqs in [b["seqs"] for b in first.get("batch", [])]:
+    def f(j, seqs=seqs):
+        b = next((b for b in j.get("batch", []) if b["seqs"] == seqs), None)
+        return f"{b['per_seq_us']:6.1f} (single {b['single_call_us']:6.1f})" if b else "-"
+    print(f"batch B={seqs:<3d} per sequence   baseline {cells('baseline', f)}   this {cells('this', f)}")
+step = lambda j: f"scorer {j['step']['scorer_us']:6.1f} step {j['step']['step_us']:6.1f}" if j.get("step") else "-"
+print(f"decode step              baseline {cells('baseline', step)}   this {cells('this', step)}")
 PY
 fi
 if [[ $what == ffi ]]; then

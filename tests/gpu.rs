@@ -32,7 +32,8 @@ fn selection(rng: &mut Rng, cap: u32, count: usize, hot: u32) -> Vec<i32> {
 /// 10,000 random steps: the CUDA slots and staged bytes equal the CPU
 /// backend's, in both the synchronous and the asynchronous mode (indices,
 /// errors and the staged bytes of the selected slots every swap-in, the
-/// statistics every step, the residency every 10th step and at the end).
+/// statistics of the step's layer every step, its residency every 10th
+/// step, and every layer's residency and statistics at the end).
 fn random_steps_match_cpu(sync: bool) {
     let mut rng = Rng::fresh(if sync { "gpu random sync" } else { "gpu random async" });
     let (slots, window) = (64u32, 5u32);

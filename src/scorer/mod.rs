@@ -122,7 +122,8 @@ impl Scorer {
     }
 
     /// Waits for `stream` and returns (clearing it) an error an earlier
-    /// asynchronous call recorded on the device (`KVSWAP_SYNC=0` on CUDA).
+    /// asynchronous call recorded on the device (CUDA with `KVSWAP_SYNC=0`
+    /// or [`Scorer::with_sync`]`(.., false)`).
     pub fn sync(&self, stream: StreamHandle) -> Result<()> {
         self.backend.sync_errors(stream)
     }
