@@ -9,7 +9,7 @@
 //! (a swap-in rewrites it in place); the same graph without the swap-ins is
 //! timed too and subtracted, and both figures are reported.
 
-use crate::backend::cuda::driver::{self, Device, DeviceBuffer, Event, OwnedStream, PinnedBuffer};
+use crate::backend::cuda::driver::{self, Device, DeviceBuffer, Event, Graph, OwnedStream, PinnedBuffer};
 use crate::{BackendChoice, Config, Context, KvswapLayerSpec, Result};
 use cudarc::driver::sys;
 use serde::Serialize;
@@ -73,46 +73,6 @@ fn time_ms(s: sys::CUstream, rounds: usize, mut body: impl FnMut() -> Result<()>
         v.push(a.elapsed_ms(&b)? as f64);
     }
     Ok(median(v))
-}
-
-struct Graph(sys::CUgraphExec, sys::CUgraph);
-
-// SAFETY: graph handles may be launched from any thread; each benchmark
-// thread only launches its own GPU's graphs.
-unsafe impl Send for Graph {}
-unsafe impl Sync for Graph {}
-
-impl Graph {
-    /// Captures what `body` enqueues on `s` (global mode: any host wait or
-    /// legacy-stream use inside it makes capture fail).
-    fn capture(s: sys::CUstream, body: impl FnOnce() -> Result<()>) -> Result<Graph> {
-        // SAFETY: s is a live stream; capture is ended below on every path.
-        driver::check(unsafe { sys::cuStreamBeginCapture_v2(s, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL) }, "cuStreamBeginCapture")?;
-        let r = body();
-        let mut g: sys::CUgraph = std::ptr::null_mut();
-        // SAFETY: ends the capture begun above.
-        let e = driver::check(unsafe { sys::cuStreamEndCapture(s, &mut g) }, "cuStreamEndCapture");
-        r?;
-        e?;
-        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-        // SAFETY: g is a complete graph.
-        driver::check(unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, g, 0) }, "cuGraphInstantiate")?;
-        Ok(Graph(exec, g))
-    }
-    fn launch(&self, s: sys::CUstream) -> Result<()> {
-        // SAFETY: live executable graph and stream.
-        driver::check(unsafe { sys::cuGraphLaunch(self.0, s) }, "cuGraphLaunch")
-    }
-}
-
-impl Drop for Graph {
-    fn drop(&mut self) {
-        // SAFETY: created in capture.
-        unsafe {
-            sys::cuGraphExecDestroy(self.0);
-            sys::cuGraphDestroy(self.1);
-        }
-    }
 }
 
 /// Device copy of `bytes` (restoring an index buffer).

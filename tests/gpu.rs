@@ -6,7 +6,7 @@
 mod common;
 
 use common::{scaled, Rng};
-use kvswap::backend::cuda::driver::{self, Device, DeviceBuffer, OwnedStream};
+use kvswap::backend::cuda::driver::{self, Device, DeviceBuffer, Graph, OwnedStream};
 use kvswap::{BackendChoice, Config, Context, KvswapLayerSpec};
 
 fn spec(cap: u32, chunk: u32) -> KvswapLayerSpec {
@@ -134,22 +134,13 @@ fn graph_replay_21_layers_matches_cpu() {
     let src: Vec<DeviceBuffer> = (0..layers).map(|_| DeviceBuffer::alloc(chunk, "src").unwrap()).collect();
     let new_id = |l: usize| (cap - 1 - l as u32) as i32;
     // Capture one step.
-    let graph = unsafe {
-        let mut g = std::ptr::null_mut();
-        driver::check(
-            cudarc::driver::sys::cuStreamBeginCapture_v2(s, cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL),
-            "begin capture",
-        )
-        .unwrap();
-        for l in 0..layers {
-            gpu.store_raw(l, &[new_id(l)], src[l].ptr, 0, s as u64).unwrap();
-            gpu.swap_in_raw(l, idx[l].ptr, window, slots, s as u64).unwrap();
-        }
-        driver::check(cudarc::driver::sys::cuStreamEndCapture(s, &mut g), "end capture").unwrap();
-        let mut exec = std::ptr::null_mut();
-        driver::check(cudarc::driver::sys::cuGraphInstantiateWithFlags(&mut exec, g, 0), "instantiate").unwrap();
-        exec
-    };
+    let graph = Graph::capture(s, || {
+        (0..layers).try_for_each(|l| unsafe {
+            gpu.store_raw(l, &[new_id(l)], src[l].ptr, 0, s as u64)?;
+            gpu.swap_in_raw(l, idx[l].ptr, window, slots, s as u64)
+        })
+    })
+    .unwrap();
     let mut hot = 0u32;
     let mut prev: Vec<i32> = Vec::new();
     for step in 0..scaled(1000) {
@@ -185,7 +176,7 @@ fn graph_replay_21_layers_matches_cpu() {
             }
             stream.sync().unwrap(); // the host buffers are reused next layer
         }
-        unsafe { driver::check(cudarc::driver::sys::cuGraphLaunch(graph, s), "graph launch").unwrap() };
+        graph.launch(s).unwrap();
         stream.sync().unwrap();
         gpu.sync_stream(s as u64).unwrap();
         for l in 0..layers {
@@ -365,22 +356,6 @@ fn still_waiting(s: &OwnedStream) -> bool {
     r == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY
 }
 
-/// Captures `body`'s calls on `s` into an executable graph.
-fn capture(s: &OwnedStream, body: impl FnOnce() -> kvswap::Result<()>) -> (cudarc::driver::sys::CUgraphExec, cudarc::driver::sys::CUgraph) {
-    use cudarc::driver::sys;
-    // SAFETY: s is a live stream; the capture is ended on every path.
-    unsafe {
-        driver::check(sys::cuStreamBeginCapture_v2(s.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL), "begin capture").unwrap();
-        let r = body();
-        let mut g = std::ptr::null_mut();
-        let end = sys::cuStreamEndCapture(s.0, &mut g);
-        r.unwrap();
-        driver::check(end, "end capture").unwrap();
-        let mut exec = std::ptr::null_mut();
-        driver::check(sys::cuGraphInstantiateWithFlags(&mut exec, g, 0), "instantiate").unwrap();
-        (exec, g)
-    }
-}
 
 /// A layer's calls on two streams, eager and captured, are ordered on the
 /// device; a gate holds stream A's eager work back, so the order is
@@ -395,7 +370,6 @@ fn capture(s: &OwnedStream, body: impl FnOnce() -> kvswap::Result<()>) -> (cudar
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn eager_and_captured_calls_on_two_streams_are_ordered() {
-    use cudarc::driver::sys;
     let mut rng = Rng::fresh("gpu two streams");
     let (cap, chunk, slots, window) = (256u32, 2048usize, 32u32, 4u32);
     let specs = [spec(cap, chunk as u32)];
@@ -439,7 +413,7 @@ fn eager_and_captured_calls_on_two_streams_are_ordered() {
     b.sync().unwrap();
     gate.close(&a, 1);
     store(3, &c3, &a).unwrap();
-    let (g1, g1_graph) = capture(&b, || swap(1, &b));
+    let _g1 = Graph::capture(b.0, || swap(1, &b)).unwrap(); // never launched
     swap(2, &b).unwrap();
     let waited_1 = still_waiting(&b);
     gate.open(1);
@@ -450,21 +424,15 @@ fn eager_and_captured_calls_on_two_streams_are_ordered() {
     //    held by the gate; launching the graph on B must wait for it.
     swap(3, &b).unwrap();
     b.sync().unwrap();
-    let (g2, g2_graph) = capture(&b, || store(5, &c5, &b).and_then(|_| swap(4, &b)));
+    let g2 = Graph::capture(b.0, || store(5, &c5, &b).and_then(|_| swap(4, &b))).unwrap();
     gate.close(&a, 2);
     store(7, &c7, &a).unwrap();
-    unsafe { driver::check(sys::cuGraphLaunch(g2, b.0), "graph launch").unwrap() };
+    g2.launch(b.0).unwrap();
     let waited_2 = still_waiting(&b);
     gate.open(2);
     a.sync().unwrap();
     b.sync().unwrap();
     gpu.sync().unwrap();
-    unsafe {
-        for (exec, graph) in [(g1, g1_graph), (g2, g2_graph)] {
-            sys::cuGraphExecDestroy(exec);
-            sys::cuGraphDestroy(graph);
-        }
-    }
     assert!(waited_1, "an eager call on B after a capture on B ran before the eager store on A");
     assert!(waited_2, "a graph captured on B ran before an eager store on A issued before its launch");
 

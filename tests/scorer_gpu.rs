@@ -15,7 +15,7 @@
 mod common;
 
 use common::{scaled, Rng};
-use kvswap::backend::cuda::driver::{self, Device, DeviceBuffer, OwnedStream};
+use kvswap::backend::cuda::driver::{self, Device, DeviceBuffer, Graph, OwnedStream};
 use kvswap::config::Ensemble;
 use kvswap::scorer::reference::{self, Projection};
 use kvswap::scorer::{write, Checkpoint, KeyDtype, Keys, KeysRef, Meta, Scorer, SeqRef, WeightDtype};
@@ -200,6 +200,48 @@ fn upload_seq(d: &Dev, hidden: &[f32], keys: &HostKeys, k: u32) -> (SeqRef, SeqB
     (seq, SeqBufs { hidden: hb, _keys: kb, _scales: sc, out })
 }
 
+/// The benchmark's scorer shape (scorers, heads, head_dim, hidden), small
+/// hidden size: the wgmma kernels on Hopper.
+const BENCH_SHAPE: (u32, u32, u32, u32) = (3, 64, 128, 512);
+
+/// A random batch of `b` sequences for `scorer`: sequence i has keys of
+/// `dtypes[i % len]` and `chunks.0 + [0, chunks.1)` chunks; each is scored
+/// alone first (`singles`), then `poison(i, hidden)` may change its hidden
+/// state before it is uploaded for the batch call.
+struct RandomBatch {
+    seqs: Vec<SeqRef>,
+    bufs: Vec<SeqBufs>,
+    singles: Vec<Vec<i32>>,
+    inputs: Vec<(Vec<f32>, HostKeys)>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn random_batch(
+    d: &Dev,
+    rng: &mut Rng,
+    scorer: &Scorer,
+    b: usize,
+    k: u32,
+    dtypes: &[KeyDtype],
+    chunks: (usize, u64),
+    poison: impl Fn(usize, &mut [f32]),
+) -> RandomBatch {
+    let m = scorer.meta();
+    let mut batch = RandomBatch { seqs: Vec::new(), bufs: Vec::new(), singles: Vec::new(), inputs: Vec::new() };
+    for i in 0..b {
+        let mut hidden = random_hidden(rng, m.n_scorers, m.hidden);
+        let n = chunks.0 + rng.below(chunks.1) as usize;
+        let keys = HostKeys::random(rng, dtypes[i % dtypes.len()], n, m.head_dim as usize, 1.0);
+        batch.singles.push(gpu_topk(d, scorer, &hidden, &keys, k).unwrap());
+        poison(i, &mut hidden);
+        let (seq, bufs) = upload_seq(d, &hidden, &keys, k);
+        batch.seqs.push(seq);
+        batch.bufs.push(bufs);
+        batch.inputs.push((hidden, keys));
+    }
+    batch
+}
+
 /// Reference scores and per-chunk tolerance (see the file comment).
 fn reference_with_tolerance(ckpt: &Checkpoint, e: Ensemble, hidden: &[f32], keys: &HostKeys) -> (Vec<f64>, Vec<f64>) {
     let projs: Vec<Projection> = reference::project_batch(ckpt, &[hidden]).pop().unwrap();
@@ -269,7 +311,7 @@ fn cuda_scorer_matches_reference_on_random_inputs() {
     // heads whose Q is not a whole number of passes of the fp8 kernel's
     // threads, and two that take the mma.sync kernel everywhere.
     let shapes = [
-        ((3u32, 64u32, 128u32, 512u32), WeightDtype::Bf16),
+        (BENCH_SHAPE, WeightDtype::Bf16),
         ((2, 64, 64, 256), WeightDtype::Bf16),
         ((2, 16, 64, 256), WeightDtype::F32),
         ((1, 8, 128, 64), WeightDtype::F16),
@@ -303,7 +345,7 @@ fn cuda_scorer_matches_reference_on_random_inputs() {
 fn cuda_scorer_long_call_matches_reference() {
     let mut rng = Rng::fresh("scorer gpu long call");
     let d = Dev::new();
-    for (s, h, dim, hid) in [(3u32, 64u32, 128u32, 512u32), (2, 64, 64, 256)] {
+    for (s, h, dim, hid) in [BENCH_SHAPE, (2, 64, 64, 256)] {
         let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
         let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
         for (dtype, e) in [(KeyDtype::Fp8E4m3, Ensemble::Max), (KeyDtype::Fp8E4m3, Ensemble::Mean), (KeyDtype::Bf16, Ensemble::Mean), (KeyDtype::F32, Ensemble::Max)] {
@@ -332,7 +374,7 @@ fn cuda_scorer_long_call_matches_reference() {
 fn cuda_scorer_adversarial_inputs() {
     let mut rng = Rng::fresh("scorer gpu adversarial");
     let d = Dev::new();
-    let (s, h, dim, hid) = (3u32, 64u32, 128u32, 512u32);
+    let (s, h, dim, hid) = BENCH_SHAPE;
     let (ckpt, scorer, hidden) = bf16_scorer(&mut rng, s, h, dim, hid);
     // All keys equal: every score equal, the top-k is ids 0..k-1 exactly.
     let row: Vec<f32> = (0..dim).map(|_| gauss(&mut rng)).collect();
@@ -450,34 +492,21 @@ fn cuda_scorer_refuses_keys_not_16_byte_aligned() {
 fn cuda_batch_equals_single_calls() {
     let mut rng = Rng::fresh("scorer gpu batch");
     let d = Dev::new();
-    let (s, h, dim, hid) = (3u32, 64u32, 128u32, 512u32);
+    let (s, h, dim, hid) = BENCH_SHAPE;
     let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
     let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
     for b in [1usize, 8, 64, 70] {
         let k = 128u32;
-        let mut seqs = Vec::new();
-        let mut keep = Vec::new();
-        let mut singles = Vec::new();
-        let mut inputs = Vec::new();
-        for i in 0..b {
-            let hidden = random_hidden(&mut rng, s, hid);
-            let dt = [KeyDtype::Bf16, KeyDtype::Fp8E4m3, KeyDtype::F32][i % 3];
-            let n = 500 + rng.below(3000) as usize;
-            let keys = HostKeys::random(&mut rng, dt, n, dim as usize, 1.0);
-            singles.push(gpu_topk(&d, &scorer, &hidden, &keys, k).unwrap());
-            let (seq, bufs) = upload_seq(&d, &hidden, &keys, k);
-            seqs.push(seq);
-            keep.push(bufs);
-            inputs.push((hidden, keys));
-        }
-        unsafe { scorer.score_topk_batch(&seqs, k, d.stream.0 as u64).unwrap() };
-        for (i, bufs) in keep.iter().enumerate() {
+        let dtypes = [KeyDtype::Bf16, KeyDtype::Fp8E4m3, KeyDtype::F32];
+        let batch = random_batch(&d, &mut rng, &scorer, b, k, &dtypes, (500, 3000), |_, _| {});
+        unsafe { scorer.score_topk_batch(&batch.seqs, k, d.stream.0 as u64).unwrap() };
+        for (i, bufs) in batch.bufs.iter().enumerate() {
             let got = d.download_i32(&bufs.out, k as usize);
-            assert_eq!(got, singles[i], "batch {b}: sequence {i} differs from its single call");
+            assert_eq!(got, batch.singles[i], "batch {b}: sequence {i} differs from its single call");
             // And the reference itself (the batch of 8 and the one split into
             // two launches; every key dtype, including f32 keys).
             if b == 8 || b == 70 {
-                let (hidden, keys) = &inputs[i];
+                let (hidden, keys) = &batch.inputs[i];
                 let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, hidden, keys);
                 check_topk(&got, &scores, &tol, k as usize, &format!("batch {b}: sequence {i} ({:?})", keys.dtype));
             }
@@ -525,28 +554,19 @@ fn cuda_bounds_scorer_matches_reference() {
 fn cuda_batch_errors_name_the_sequence_and_survive_growth() {
     let mut rng = Rng::fresh("scorer gpu batch errors");
     let d = Dev::new();
-    let (s, h, dim, hid) = (3u32, 64u32, 128u32, 512u32);
+    let (s, h, dim, hid) = BENCH_SHAPE;
     let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
     let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
     let k = 64u32;
     let bad_at = 67usize; // odd: an fp8 sequence
-    let mut seqs = Vec::new();
-    let mut keep = Vec::new();
-    let mut singles = Vec::new();
-    for i in 0..70usize {
-        let mut hidden = random_hidden(&mut rng, s, hid);
-        let dt = [KeyDtype::Bf16, KeyDtype::Fp8E4m3][i % 2];
-        let n = 300 + rng.below(700) as usize;
-        let keys = HostKeys::random(&mut rng, dt, n, dim as usize, 1.0);
-        singles.push(gpu_topk(&d, &scorer, &hidden, &keys, k).unwrap());
+    let poison = |i: usize, hidden: &mut [f32]| {
         if i == bad_at {
             hidden[hid as usize + 9] = f32::NAN;
         }
-        let (seq, bufs) = upload_seq(&d, &hidden, &keys, k);
-        seqs.push(seq);
-        keep.push(bufs);
-    }
-    let e = unsafe { scorer.score_topk_batch(&seqs, k, d.stream.0 as u64) }.unwrap_err();
+    };
+    let batch = random_batch(&d, &mut rng, &scorer, 70, k, &[KeyDtype::Bf16, KeyDtype::Fp8E4m3], (300, 700), poison);
+    let (keep, singles) = (&batch.bufs, &batch.singles);
+    let e = unsafe { scorer.score_topk_batch(&batch.seqs, k, d.stream.0 as u64) }.unwrap_err();
     assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
     assert!(e.message.contains(&format!("sequence {bad_at}")) && e.message.contains("scorer 1") && e.message.contains("position 9"), "{e}");
     for (i, bufs) in keep.iter().enumerate() {
@@ -612,10 +632,9 @@ fn cuda_scorer_refuses_unsupported_shapes() {
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn cuda_scorer_graph_replay_reports_nan_through_sync() {
-    use cudarc::driver::sys;
     let mut rng = Rng::fresh("scorer gpu graph nan");
     let d = Dev::new();
-    let (s, h, dim, hid) = (3u32, 64u32, 128u32, 512u32);
+    let (s, h, dim, hid) = BENCH_SHAPE;
     let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
     let scorer = Scorer::with_sync(ckpt.clone(), 0, false).unwrap();
     let k = 256u32;
@@ -627,20 +646,10 @@ fn cuda_scorer_graph_replay_reports_nan_through_sync() {
     unsafe { scorer.score_topk(&seq, k, st as u64).unwrap() };
     scorer.sync(st as u64).unwrap();
     let _g = d.dev.bind().unwrap();
-    let exec = unsafe {
-        let mut g = std::ptr::null_mut();
-        driver::check(sys::cuStreamBeginCapture_v2(st, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL), "begin capture").unwrap();
-        let r = scorer.score_topk(&seq, k, st as u64);
-        driver::check(sys::cuStreamEndCapture(st, &mut g), "end capture").unwrap();
-        r.unwrap();
-        let mut exec = std::ptr::null_mut();
-        driver::check(sys::cuGraphInstantiateWithFlags(&mut exec, g, 0), "instantiate").unwrap();
-        driver::check(sys::cuGraphDestroy(g), "graph destroy").unwrap();
-        exec
-    };
+    let graph = Graph::capture(st, || unsafe { scorer.score_topk(&seq, k, st as u64) }).unwrap();
     let replay = || {
         d.upload_into(&bufs.out, &vec![0x5au8; 4 * k as usize]); // poisoned
-        unsafe { driver::check(sys::cuGraphLaunch(exec, st), "graph launch").unwrap() };
+        graph.launch(st).unwrap();
         d.stream.sync().unwrap();
         d.download_i32(&bufs.out, k as usize)
     };
@@ -660,5 +669,4 @@ fn cuda_scorer_graph_replay_reports_nan_through_sync() {
     d.upload_into(&bufs.hidden, &f32_bytes(&hidden));
     check_topk(&replay(), &scores, &tol, k as usize, "replay after the error");
     scorer.sync(st as u64).unwrap();
-    unsafe { driver::check(sys::cuGraphExecDestroy(exec), "exec destroy").unwrap() };
 }

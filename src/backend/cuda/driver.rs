@@ -495,6 +495,62 @@ impl Kernel {
     }
 }
 
+/// An executable CUDA graph captured from a stream (and its graph), both
+/// destroyed on drop.
+pub struct Graph(sys::CUgraphExec, sys::CUgraph);
+
+// SAFETY: graph handles may be launched from any thread (one launch of an
+// executable graph at a time is the caller's to ensure, as for streams).
+unsafe impl Send for Graph {}
+unsafe impl Sync for Graph {}
+
+impl Graph {
+    /// Captures what `body` enqueues on `s` (global mode: any host wait or
+    /// legacy-stream use inside it makes the capture fail) and instantiates
+    /// it. The capture is ended on every path; `body`'s error comes first.
+    pub fn capture(s: CUstream, body: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        // SAFETY: s is a live stream; the capture is ended below on every path.
+        check(unsafe { sys::cuStreamBeginCapture_v2(s, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL) }, "cuStreamBeginCapture")?;
+        let r = body();
+        let mut g: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: ends the capture begun above.
+        let e = check(unsafe { sys::cuStreamEndCapture(s, &mut g) }, "cuStreamEndCapture");
+        let destroy = |g: sys::CUgraph| {
+            if !g.is_null() {
+                // SAFETY: a graph returned by the capture, not used after this.
+                unsafe { sys::cuGraphDestroy(g) };
+            }
+        };
+        if let Err(err) = r.and(e) {
+            destroy(g);
+            return Err(err);
+        }
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: g is a complete graph.
+        if let Err(err) = check(unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, g, 0) }, "cuGraphInstantiate") {
+            destroy(g);
+            return Err(err);
+        }
+        Ok(Graph(exec, g))
+    }
+
+    /// Launches the graph on `s`.
+    pub fn launch(&self, s: CUstream) -> Result<()> {
+        // SAFETY: live executable graph; s is the caller's live stream.
+        check(unsafe { sys::cuGraphLaunch(self.0, s) }, "cuGraphLaunch")
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: both were created in `capture` and are destroyed only here.
+        unsafe {
+            sys::cuGraphExecDestroy(self.0);
+            sys::cuGraphDestroy(self.1);
+        }
+    }
+}
+
 /// Asynchronous device -> host copy.
 ///
 /// # Safety
