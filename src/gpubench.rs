@@ -581,6 +581,20 @@ pub struct FmStepRow {
     pub ratio_to_scorer: f64,
 }
 
+/// The score scope at one size under a given score distribution: how many
+/// candidates the selection's threshold bin holds decides its path.
+#[derive(Clone, Debug, Serialize)]
+pub struct FmSpreadRow {
+    pub scores: String,
+    pub chunks: usize,
+    pub k: usize,
+    /// Keys above the threshold bin (certainly in the top-k) and in it.
+    pub sure: u32,
+    pub ties: u32,
+    pub kvswap_us: f64,
+    pub back_to_back_us: f64,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct FmReport {
     pub device: String,
@@ -593,6 +607,7 @@ pub struct FmReport {
     pub weight_bytes: u64,
     pub rows: Vec<FmRow>,
     pub batch: Vec<FmBatchRow>,
+    pub spread: Vec<FmSpreadRow>,
     pub step: Option<FmStepRow>,
 }
 
@@ -620,6 +635,15 @@ fn random_keys(dtype: KeyDtype, n: usize, dim: usize, seed: u64) -> Vec<u8> {
             })
             .collect(),
     }
+}
+
+/// Bf16 keys clustered around one random key: key = base + eps * noise
+/// (both from random_keys), so every score lies near the base key's score.
+fn clustered_keys(n: usize, dim: usize, eps: f32, seed: u64) -> Vec<u8> {
+    let f = |b: &[u8]| -> Vec<f32> { b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect() };
+    let base = f(&random_keys(KeyDtype::Bf16, 1, dim, seed));
+    let noise = f(&random_keys(KeyDtype::Bf16, n, dim, seed + 1));
+    noise.iter().enumerate().flat_map(|(i, &x)| half::bf16::from_f32(base[i % dim] + eps * x).to_le_bytes()).collect()
 }
 
 struct FmBench<'a> {
@@ -762,6 +786,40 @@ pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
         let single_us = bench.graph_us(5, || unsafe { bench.scorer.score_topk(&seqs[0], k, e, s as u64) })?;
         batch.push(FmBatchRow { seqs: bsz, chunks_per_seq: per, batch_us, per_seq_us: batch_us / bsz as f64, single_call_us: single_us });
     }
+    // Score distributions (score scope, bf16 keys, 262,144 chunks): the
+    // random checkpoint's wide spread; positive head weights (every score a
+    // sum of relus); keys clustered around one key (a trained indexer's
+    // scores can crowd into a few histogram bins).
+    let mut spread = Vec::new();
+    let n = 262_144usize;
+    let wpos: Vec<u8> = (0..sc * h).flat_map(|i| (0.5 + ((i * 37) % 100) as f32 / 100.0).to_le_bytes()).collect();
+    let wpos = bench.upload(&wpos, "w")?;
+    let ones: Vec<u8> = (0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect();
+    let scales = bench.upload(&ones, "scales")?;
+    for (name, eps, weights) in [
+        ("random", None, &w),
+        ("positive weights", None, &wpos),
+        ("clustered keys, eps 0.1", Some(0.1f32), &wpos),
+        ("clustered keys, eps 0.01", Some(0.01f32), &wpos),
+    ] {
+        let bytes = match eps {
+            None => random_keys(KeyDtype::Bf16, n, d, 0x9e37 + n as u64),
+            Some(eps) => clustered_keys(n, d, eps, 0x5eed),
+        };
+        let keys = bench.upload(&bytes, "keys")?;
+        let seq = SeqRef {
+            hidden: hidden.ptr,
+            keys: KeysRef { data: keys.ptr, scales: scales.ptr, row_stride: 0, dtype: KeyDtype::Bf16 },
+            n_chunks: n,
+            out: out.ptr,
+        };
+        // SAFETY: device buffers of the documented sizes.
+        let call = || unsafe { bench.scorer.score_with_qw(&[seq], &[(q.ptr, weights.ptr)], k, e, s as u64) };
+        let us = bench.single_graph_us(call)?;
+        let back_to_back_us = bench.graph_us(20, call)?;
+        let (sure, ties) = bench.scorer.last_candidates(s as u64)?.unwrap_or((0, 0));
+        spread.push(FmSpreadRow { scores: name.into(), chunks: n, k, sure, ties, kvswap_us: us, back_to_back_us });
+    }
     let step = Some(decode_step(&bench, &hidden, if quick { 65_536 } else { 262_144 }, k)?);
     Ok(FmReport {
         device: format!("{} (sm_{}{}, {} SMs)", dev.name, dev.cc.0, dev.cc.1, dev.sm_count),
@@ -773,6 +831,7 @@ pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
         weight_bytes,
         rows,
         batch,
+        spread,
         step,
     })
 }
@@ -869,6 +928,13 @@ pub fn render_fm(r: &FmReport) -> String {
     s += &format!("\n{:>5} {:>14} {:>10} {:>12} {:>16}\n", "seqs", "chunks_per_seq", "batch_us", "per_seq_us", "single_call_us");
     for b in &r.batch {
         s += &format!("{:>5} {:>14} {:>10.1} {:>12.1} {:>16.1}\n", b.seqs, b.chunks_per_seq, b.batch_us, b.per_seq_us, b.single_call_us);
+    }
+    s += &format!("\n{:>26} {:>9} {:>5} {:>8} {:>8} {:>11} {:>13}\n", "scores (score scope, bf16)", "chunks", "k", "sure", "ties", "kvswap_us", "back2back_us");
+    for w in &r.spread {
+        s += &format!(
+            "{:>26} {:>9} {:>5} {:>8} {:>8} {:>11.1} {:>13.1}\n",
+            w.scores, w.chunks, w.k, w.sure, w.ties, w.kvswap_us, w.back_to_back_us
+        );
     }
     if let Some(t) = &r.step {
         s += &format!(

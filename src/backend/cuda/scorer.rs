@@ -707,6 +707,27 @@ impl CudaScorer {
         self.workspaces.sync_errors(self.device(), stream)
     }
 
+    /// The selection's candidate counts of the first sequence of the last
+    /// call on `stream` (benchmarks): keys certainly in the top-k, and keys
+    /// in the threshold bin of the 12-bit histogram (ties). Sure + ties above
+    /// 4,096 takes the single-block narrowing path. Waits for the stream;
+    /// None before any call on it.
+    pub fn last_candidates(&self, stream: StreamHandle) -> Result<Option<(u32, u32)>> {
+        let dev = self.device();
+        let _g = dev.bind()?;
+        let s = stream as CUstream;
+        let slot = self.workspaces.slot(s);
+        let held = slot.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(ws) = held.as_ref() else { return Ok(None) };
+        // SAFETY: readback holds 16 bytes, state at least 16 (one sequence);
+        // synced before reading.
+        unsafe { driver::copy_dtoh_async(ws.readback.host, ws.state.ptr, 16, s)? };
+        driver::stream_sync(s)?;
+        // SAFETY: the copy completed; two aligned u64 (appended, filed).
+        let filed = unsafe { *(ws.readback.host as *const u64).add(1) };
+        Ok(Some(((filed & ((1 << 20) - 1)) as u32, (filed >> 20) as u32)))
+    }
+
     /// Bytes of the weights on the device and their dtype.
     pub fn weights(&self) -> (u64, WeightDtype) {
         (self.weights.bytes as u64, self.weight_dtype)
