@@ -452,6 +452,59 @@ fn cuda_scorer_adversarial_inputs() {
     check_topk(&got, &scores, &tol, 64, "after an error");
 }
 
+/// Bf16 keys clustered around one random key (key = base + eps * noise), and
+/// how many of their reference scores share the k-th score's bin of the
+/// selection's 12-bit histogram (the top 12 bits of the f32 score's sortable
+/// key).
+fn clustered_keys(rng: &mut Rng, ckpt: &Checkpoint, hidden: &[f32], n: usize, dim: usize, eps: f32, k: usize) -> (HostKeys, Vec<f64>, Vec<f64>, usize) {
+    let base: Vec<f32> = (0..dim).map(|_| gauss(rng)).collect();
+    let mut vals = Vec::with_capacity(n * dim);
+    for _ in 0..n {
+        for &b in &base {
+            vals.push(b + eps * gauss(rng));
+        }
+    }
+    let keys = HostKeys::from_values(rng, KeyDtype::Bf16, &vals, n, dim);
+    let (scores, tol) = reference_with_tolerance(ckpt, Ensemble::Max, hidden, &keys);
+    let bin = |x: f64| {
+        let b = (x as f32).to_bits();
+        (if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 }) >> 20
+    };
+    let kth = bin(scores[kvswap::scorer::topk::topk(&scores, k)[k - 1] as usize]);
+    let in_bin = scores.iter().filter(|&&x| bin(x) == kth).count();
+    (keys, scores, tol, in_bin)
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_scorer_clustered_scores() {
+    // Distinct scores crowded into the threshold bin (keys clustered around
+    // one key, as averaged chunk keys can be): more candidates than fm_order
+    // ranks in parallel (4,096), so they are narrowed by radix passes over
+    // distinct score bits, not only over ids as with exact ties.
+    let mut rng = Rng::fresh("scorer gpu clustered");
+    let d = Dev::new();
+    let (s, h, dim, hid) = BENCH_SHAPE;
+    let (ckpt, scorer, hidden) = bf16_scorer(&mut rng, s, h, dim, hid);
+    // (chunks, eps, k, whether more than 4,096 scores must share the
+    // threshold bin: a tight cluster can still straddle a bin edge, so its
+    // base key is drawn again until they do; the loose case lands on either
+    // side of 4,096, run to run)
+    for (n, eps, k, tight) in [(30_000usize, 0.002f32, 1000usize, true), (60_000, 0.005, 2048, true), (9_000, 0.002, 64, true), (30_000, 0.03, 1000, false)] {
+        let mut draw = 0;
+        let (keys, scores, tol, in_bin) = loop {
+            let c = clustered_keys(&mut rng, &ckpt, &hidden, n, dim as usize, eps, k);
+            draw += 1;
+            if !tight || c.3 > 4096 || draw == 20 {
+                break c;
+            }
+        };
+        assert!(!tight || in_bin > 4096, "n={n} eps={eps}: {in_bin} reference scores in the threshold bin after {draw} draws");
+        let got = gpu_topk(&d, &scorer, &hidden, &keys, k as u32).unwrap();
+        check_topk(&got, &scores, &tol, k, &format!("clustered, n={n} eps={eps} k={k} ({in_bin} in the threshold bin)"));
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn cuda_scorer_refuses_keys_not_16_byte_aligned() {
