@@ -15,21 +15,35 @@
 // spread over many blocks (a sure key among the sure keys, a tie among the
 // ties after them), and writes the ids of ranks below `want`, -1 padded (all
 // -1 after a recorded error). When there are more than FM_ORDER_MAX
-// candidates (many equal scores), its block 0 alone narrows the ties to the
-// `want - n_sure` best by 11-bit radix passes and ranks the winners. fm_order's
+// candidates (scores crowded into the threshold bin), its blocks narrow the
+// ties to the `want - n_sure` best in a merge tree (each block its slice by
+// 11-bit radix passes, then the last block of each group, then the last
+// group: order_narrowed) and rank the winners. fm_order's
 // block 0 also zeroes the histogram and the append counters for the next
 // call (graph replay needs no memset): no fm_order block reads them.
 
-// Per-sequence selection state.
+// Per-sequence selection state (SELECT_STATE_BYTES on the host).
 //   appended  fm_select's append cursors: sure keys in bits 0..19 (< want <=
 //             FM_RANK_MAX), ties in bits 20..43 (<= n <= 2^22); one atomic
 //             reserves a block's places in both lists. Zero between calls.
 //   filed     the final counts, same fields, published by fm_select's block 0
 //             and read by fm_order.
+//   cnt, gcnt, garrived, arrived  fm_order's merge tree (order_narrowed):
+//             the list length of each block and of each group, and the
+//             arrival counts of each group and of the groups (the counts
+//             are zero between calls).
+#define FM_ORDER_BLOCKS 64  // fm_order's blocks per sequence (FM_ORDER_MAX / FM_ORDER_CANDS)
+#define FM_MERGE_GROUPS 8
 struct SelectState {
     u64 appended;
     u64 filed;
+    u32 cnt[FM_ORDER_BLOCKS];
+    u32 gcnt[FM_MERGE_GROUPS];
+    u32 garrived[FM_MERGE_GROUPS];
+    u32 arrived;
+    u32 pad[11];
 };
+static_assert(sizeof(SelectState) == 384, "SELECT_STATE_BYTES on the host");
 #define FM_ST_TIE_SHIFT 20
 __device__ __forceinline__ u32 st_sure(u64 c) { return (u32)(c & ((1u << FM_ST_TIE_SHIFT) - 1u)); }
 __device__ __forceinline__ u32 st_tie(u64 c) { return (u32)(c >> FM_ST_TIE_SHIFT); }
@@ -163,34 +177,35 @@ __device__ __forceinline__ void push_key(u64* list, u32* count, u64 k, bool p) {
     if (p) list[base + __popc(b & ((1u << lane) - 1u))] = k;
 }
 
-// f(key, valid) for every key of keys[0..m) (global memory, written by an
-// earlier launch, read through L2), FM_SCAN_UNROLL loads in flight per
-// thread (one at a time, a block's scan was bound by L2 latency: ~18 GB/s).
-// Every thread of the block calls it and reaches f the same number of times
+// f(key, valid) for every key at(0 .. m) (at(i) reads global memory written
+// by an earlier launch or block, through L2), FM_SCAN_UNROLL loads in flight
+// per thread (one at a time, a block's scan was bound by L2 latency). Every
+// thread of the block calls it and reaches f the same number of times
 // (whole warps, for f's warp-aggregated atomics); valid is false past m.
 #define FM_SCAN_UNROLL 8
-template <typename F>
-__device__ __forceinline__ void scan_keys(const u64* keys, u32 m, F f) {
+template <typename At, typename F>
+__device__ __forceinline__ void scan_keys(At at, u32 m, F f) {
     for (u32 base = 0; base < m; base += FM_SCAN_UNROLL * blockDim.x) {
         u64 k[FM_SCAN_UNROLL];
 #pragma unroll
         for (u32 u = 0; u < FM_SCAN_UNROLL; ++u) {
             const u32 i = base + u * blockDim.x + threadIdx.x;
-            k[u] = i < m ? __ldcg(keys + i) : 0ull;
+            k[u] = i < m ? at(i) : 0ull;
         }
 #pragma unroll
         for (u32 u = 0; u < FM_SCAN_UNROLL; ++u) f(k[u], base + u * blockDim.x + threadIdx.x < m);
     }
 }
 
-// Narrows keys[0..m) (global memory, written by the previous launch; all
-// equal above bit `shift`) to their top `want` by key64: FM_DIGIT_BITS-bit
-// radix passes append the certain keys to fin (at *nfin) until the boundary
-// group holds at most FM_GROUP_MAX keys, which are then ranked by counting.
-// (A pass's digit may overlap bits fixed by the pass before, at the bottom
-// of the key: they equal the prefix in every key counted.) One block; every
-// thread must call it.
-__device__ __forceinline__ void narrow_topk(const u64* keys, u32 m, u32 want, int shift, u64* fin, u32* nfin) {
+// Narrows the keys at(0 .. m) (as scan_keys; all equal above bit `shift`;
+// want <= m) to their top `want` by key64: FM_DIGIT_BITS-bit radix passes
+// append the certain keys to fin (shared memory, at *nfin) until the
+// boundary group holds at most FM_GROUP_MAX keys, which are then ranked by
+// counting. (A pass's digit may overlap bits fixed by the pass before, at
+// the bottom of the key: they equal the prefix in every key counted.) One
+// block; every thread must call it.
+template <typename At>
+__device__ __forceinline__ void narrow_topk(At keys, u32 m, u32 want, int shift, u64* fin, u32* nfin) {
     __shared__ u32 s_hist[FM_DIGIT_BINS];
     __shared__ u32 s_digit, s_above, s_cnt;
     __shared__ u64 s_group[FM_GROUP_MAX];
@@ -202,9 +217,8 @@ __device__ __forceinline__ void narrow_topk(const u64* keys, u32 m, u32 want, in
         for (u32 i = threadIdx.x; i < FM_DIGIT_BINS; i += blockDim.x) s_hist[i] = 0;
         __syncthreads();
         // Plain shared atomics (same-bin lanes are serialised by the
-        // hardware): with a warp-aggregated count (__match_any_sync per key)
-        // a call with 201,657 such candidates took 325 us on the H200, with
-        // these 141 us.
+        // hardware): a warp-aggregated count (__match_any_sync per key) cost
+        // more than twice the whole selection with 201,657 such candidates.
         scan_keys(keys, m, [&](u64 k, bool valid) {
             if (valid && (k & mask) == prefix) atomicAdd(&s_hist[(u32)((k >> shift) & DMASK)], 1u);
         });
@@ -290,17 +304,100 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
 #define FM_ORDER_SLICES 8
 #define FM_ORDER_THREADS (FM_ORDER_CANDS * FM_ORDER_SLICES)
 static_assert(FM_ORDER_MAX % FM_ORDER_CANDS == 0 && FM_ORDER_MAX >= FM_RANK_MAX, "whole blocks of candidates");
+static_assert(FM_ORDER_MAX / FM_ORDER_CANDS == FM_ORDER_BLOCKS, "SelectState holds a list length per block");
 
-// More than FM_ORDER_MAX candidates: one block narrows the ties to the
-// `want - ns` best and ranks the `want` winners (fin: FM_RANK_MAX keys of
-// shared memory) among themselves.
-__device__ void order_narrowed(const SelectSeq& S, u32 ns, u32 nt, u32 want, u64* fin) {
-    __shared__ u32 s_nfin;
-    for (u32 i = threadIdx.x; i < ns; i += blockDim.x) fin[i] = __ldcg(S.sure + i);
-    if (threadIdx.x == 0) s_nfin = ns;
+// The top `want` of the keys at(0 .. m) appended to fin (shared memory, at
+// *nfin): all of them when m <= want, else by narrow_topk (ties: equal
+// above the top FM_HIST_BITS bits). One block; every thread calls it.
+template <typename At>
+__device__ __forceinline__ void top_keys(At at, u32 m, u32 want, u64* fin, u32* nfin) {
+    if (m <= want) {
+        scan_keys(at, m, [&](u64 k, bool valid) { push_key(fin, nfin, k, valid); });
+        __syncthreads();
+        return;
+    }
+    narrow_topk(at, m, want, 64 - FM_HIST_BITS, fin, nfin);
+}
+
+// Called by every thread of a block when its writes for the others are done:
+// true in the last of `of` blocks to arrive at *count (which resets it),
+// after a fence that makes the other blocks' writes visible to it. The
+// others just leave: no block ever waits for another.
+__device__ __forceinline__ bool arrive_last(u32* count, u32 of) {
+    __shared__ bool s_last;
+    __threadfence();
     __syncthreads();
-    // Ties share the top FM_HIST_BITS bits of the 64-bit key.
-    narrow_topk(S.tie, nt, want - ns, 64 - FM_HIST_BITS, fin, &s_nfin);
+    if (threadIdx.x == 0) {
+        s_last = atomicAdd(count, 1u) == of - 1;
+        if (s_last) *count = 0;  // every arrival is in
+    }
+    __syncthreads();
+    if (s_last) __threadfence();
+    return s_last;
+}
+
+// More than FM_ORDER_MAX candidates: the `w = want - ns` best ties, found by
+// every block of the sequence in a merge tree, no block waiting for another.
+// Level 0: each block narrows its slice of the tie list to the slice's own
+// top w and writes them back at the slice's start (every key of the overall
+// top w is in its slice's top w). Level 1: the last block of each group of
+// FM_MERGE_FAN to finish merges the group's lists the same way, into the
+// group's first slice. Level 2: the last group's merger merges the groups'
+// lists, adds the sure keys and ranks the `want` winners (fin: shared
+// memory, FM_RANK_MAX keys at least) among themselves.
+#define FM_MERGE_FAN 8
+__device__ void order_narrowed(const SelectSeq& S, u32 ns, u32 nt, u32 want, u64* fin) {
+    static_assert(FM_ORDER_BLOCKS <= FM_MERGE_FAN * FM_MERGE_GROUPS, "the merge tree covers every block");
+    __shared__ u32 s_n, s_off[FM_MERGE_FAN + 1], s_start[FM_MERGE_FAN];
+    SelectState* st = S.st;
+    const u32 G = gridDim.x, w = want - ns, per = (nt + G - 1) / G;
+    auto slice = [&](u32 b) { return min(nt, b * per); };
+    // The merged lists of regions r < R (s_start, s_off), key i of their concatenation.
+    auto merged = [&](u32 R) {
+        return [=, &S](u32 i) {
+            u32 r = 0;
+#pragma unroll
+            for (u32 step = FM_MERGE_FAN / 2; step > 0; step >>= 1)
+                if (r + step < R && s_off[r + step] <= i) r += step;
+            return __ldcg(S.tie + s_start[r] + (i - s_off[r]));
+        };
+    };
+    // Gathers regions r < R (start(r), count(r) keys) into s_start / s_off,
+    // then appends the top w of them to fin. (One accessor type for every
+    // level: each instance of narrow_topk has its own shared memory.)
+    auto merge = [&](u32 R, auto start, auto count) {
+        if (threadIdx.x == 0) {
+            u32 a = 0;
+            for (u32 r = 0; r < R; ++r) {
+                s_start[r] = start(r);
+                s_off[r] = a;
+                a += count(r);
+            }
+            s_off[R] = a;
+        }
+        __syncthreads();
+        top_keys(merged(R), s_off[R], w, fin, &s_n);
+    };
+    // Level 0.
+    const u32 x = blockIdx.x, lo = slice(x);
+    if (threadIdx.x == 0) s_n = 0;
+    merge(1, [&](u32) { return lo; }, [&](u32) { return slice(x + 1) - lo; });
+    for (u32 i = threadIdx.x; i < s_n; i += blockDim.x) S.tie[lo + i] = fin[i];  // every read of the slice is done
+    if (threadIdx.x == 0) st->cnt[x] = s_n;
+    const u32 grp = x / FM_MERGE_FAN, b0 = grp * FM_MERGE_FAN, nb = min(G, b0 + FM_MERGE_FAN) - b0;
+    if (!arrive_last(&st->garrived[grp], nb)) return;
+    // Level 1: the group's lists into its first slice (they lie inside the
+    // group's slices, and so does their top w).
+    if (threadIdx.x == 0) s_n = 0;
+    merge(nb, [&](u32 r) { return slice(b0 + r); }, [&](u32 r) { return __ldcg(&st->cnt[b0 + r]); });
+    for (u32 i = threadIdx.x; i < s_n; i += blockDim.x) S.tie[slice(b0) + i] = fin[i];
+    if (threadIdx.x == 0) st->gcnt[grp] = s_n;
+    const u32 groups = (G + FM_MERGE_FAN - 1) / FM_MERGE_FAN;
+    if (!arrive_last(&st->arrived, groups)) return;
+    // Level 2: the sure keys, then the top w of the groups' lists; ranked.
+    for (u32 i = threadIdx.x; i < ns; i += blockDim.x) fin[i] = __ldcg(S.sure + i);
+    if (threadIdx.x == 0) s_n = ns;
+    merge(groups, [&](u32 r) { return slice(r * FM_MERGE_FAN); }, [&](u32 r) { return __ldcg(&st->gcnt[r]); });
     for (u32 i = threadIdx.x; i < want; i += blockDim.x)
         S.out[count_greater(fin, want, fin[i])] = (i32)(0xFFFFFFFFu - (u32)fin[i]);
 }
@@ -322,7 +419,7 @@ extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBa
     if (err[0] != 0) return;  // a recorded error: no garbage, all -1 (above)
     const u32 ns = st_sure(filed), nt = st_tie(filed), m = ns + nt;
     if (m > FM_ORDER_MAX) {
-        if (blockIdx.x == 0) order_narrowed(S, ns, nt, want, keys);
+        order_narrowed(S, ns, nt, want, keys);  // every block takes part
         return;
     }
     const u32 c0 = blockIdx.x * FM_ORDER_CANDS;

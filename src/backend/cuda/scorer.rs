@@ -106,6 +106,11 @@ struct SelectSeq {
     pad: u32,
 }
 
+/// Bytes of a sequence's selection state (SelectState in topk.cu): append
+/// cursors, the published counts, and fm_order's merge-tree lengths and
+/// arrival counts.
+const SELECT_STATE_BYTES: usize = 384;
+
 #[repr(C)]
 struct SelectBatch {
     n_seqs: u32,
@@ -151,7 +156,7 @@ impl Workspace {
             w: DeviceBuffer::alloc(seqs * w_elems * 4, "scorer w")?,
             skey: DeviceBuffer::alloc(chunks * 4, "scorer keys")?,
             hist: DeviceBuffer::alloc(seqs * HIST_WORDS * 4, "scorer histograms")?,
-            state: DeviceBuffer::alloc(seqs * 16, "scorer select state")?,
+            state: DeviceBuffer::alloc(seqs * SELECT_STATE_BYTES, "scorer select state")?,
             sure: DeviceBuffer::alloc(seqs * TOPK_MAX * 8, "scorer candidates")?,
             tie: DeviceBuffer::alloc(chunks * 8, "scorer candidates")?,
             err: DeviceBuffer::alloc(16, "scorer error")?,
@@ -174,7 +179,7 @@ impl Workspace {
         // SAFETY: each buffer holds the number of words cleared.
         unsafe {
             driver::memset_d32_async(self.hist.ptr, 0, self.seqs * HIST_WORDS, s)?;
-            driver::memset_d32_async(self.state.ptr, 0, self.seqs * 4, s)?;
+            driver::memset_d32_async(self.state.ptr, 0, self.seqs * SELECT_STATE_BYTES / 4, s)?;
         }
         driver::stream_sync(s)
     }
@@ -647,7 +652,7 @@ impl CudaScorer {
                     sel.seq[i] = SelectSeq {
                         skey,
                         hist,
-                        st: ws.state.ptr + (i * 16) as u64,
+                        st: ws.state.ptr + (i * SELECT_STATE_BYTES) as u64,
                         sure: ws.sure.ptr + (i * TOPK_MAX * 8) as u64,
                         tie: ws.tie.ptr + (at * 8) as u64,
                         out: q.out,
