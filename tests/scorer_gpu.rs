@@ -507,6 +507,56 @@ fn cuda_scorer_clustered_scores() {
 
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_scorer_clustered_graph_replay() {
+    // The many-candidate narrowing leaves its arrival counts at zero for
+    // the next call: replays of a captured call, and eager calls with other
+    // keys in between on the same stream (same workspace), all give the
+    // eager result exactly (the same kernels on the same inputs).
+    let mut rng = Rng::fresh("scorer gpu clustered replay");
+    let d = Dev::new();
+    let (s, h, dim, hid) = BENCH_SHAPE;
+    let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
+    let scorer = Scorer::with_sync(ckpt.clone(), 0, false).unwrap();
+    let hidden = random_hidden(&mut rng, s, hid);
+    let k = 512u32;
+    let (keys, in_bin) = (0..20)
+        .map(|_| {
+            let (keys, _, _, in_bin) = clustered_keys(&mut rng, &ckpt, &hidden, 20_000, dim as usize, 0.002, k as usize);
+            (keys, in_bin)
+        })
+        .find(|c| c.1 > 4096)
+        .expect("a cluster with more than 4,096 scores in the threshold bin in 20 draws");
+    let (seq, bufs) = upload_seq(&d, &hidden, &keys, k);
+    let other = HostKeys::random(&mut rng, KeyDtype::Bf16, 30_000, dim as usize, 1.0);
+    let (other_seq, other_bufs) = upload_seq(&d, &hidden, &other, k);
+    let st = d.stream.0;
+    let eager = |q: &SeqRef, b: &SeqBufs| {
+        d.upload_into(&b.out, &vec![0x5au8; 4 * k as usize]);
+        unsafe { scorer.score_topk(q, k, st as u64).unwrap() };
+        scorer.sync(st as u64).unwrap();
+        d.download_i32(&b.out, k as usize)
+    };
+    let want = eager(&seq, &bufs);
+    let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
+    check_topk(&want, &scores, &tol, k as usize, &format!("clustered, eager ({in_bin} in the threshold bin)"));
+    let _g = d.dev.bind().unwrap();
+    let graph = Graph::capture(st, || unsafe { scorer.score_topk(&seq, k, st as u64) }).unwrap();
+    let (other_scores, other_tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &other);
+    for round in 0..6 {
+        d.upload_into(&bufs.out, &vec![0x5au8; 4 * k as usize]);
+        graph.launch(st).unwrap();
+        d.stream.sync().unwrap();
+        scorer.sync(st as u64).unwrap();
+        assert_eq!(d.download_i32(&bufs.out, k as usize), want, "replay {round}");
+        if round % 2 == 1 {
+            check_topk(&eager(&other_seq, &other_bufs), &other_scores, &other_tol, k as usize, "random keys between replays");
+            assert_eq!(eager(&seq, &bufs), want, "eager call after replay {round}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn cuda_scorer_refuses_keys_not_16_byte_aligned() {
     // The kernels copy key rows 16 bytes at a time, fp8 rows included: keys
     // 8 bytes off (data or row stride) are refused before any launch, and

@@ -307,8 +307,8 @@ static_assert(FM_ORDER_MAX % FM_ORDER_CANDS == 0 && FM_ORDER_MAX >= FM_RANK_MAX,
 static_assert(FM_ORDER_MAX / FM_ORDER_CANDS == FM_ORDER_BLOCKS, "SelectState holds a list length per block");
 
 // The top `want` of the keys at(0 .. m) appended to fin (shared memory, at
-// *nfin): all of them when m <= want, else by narrow_topk (ties: equal
-// above the top FM_HIST_BITS bits). One block; every thread calls it.
+// *nfin): all of them when m <= want, else by narrow_topk (ties: equal in
+// the top FM_HIST_BITS bits). One block; every thread calls it.
 template <typename At>
 __device__ __forceinline__ void top_keys(At at, u32 m, u32 want, u64* fin, u32* nfin) {
     if (m <= want) {
@@ -322,14 +322,19 @@ __device__ __forceinline__ void top_keys(At at, u32 m, u32 want, u64* fin, u32* 
 // Called by every thread of a block when its writes for the others are done:
 // true in the last of `of` blocks to arrive at *count (which resets it),
 // after a fence that makes the other blocks' writes visible to it. The
-// others just leave: no block ever waits for another.
+// others just leave: no block ever waits for another. (Thread 0 of the
+// last also fences before the barrier, as cooperative groups' grid sync
+// does; the readers use __ldcg.)
 __device__ __forceinline__ bool arrive_last(u32* count, u32 of) {
     __shared__ bool s_last;
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
         s_last = atomicAdd(count, 1u) == of - 1;
-        if (s_last) *count = 0;  // every arrival is in
+        if (s_last) {
+            *count = 0;  // every arrival is in
+            __threadfence();
+        }
     }
     __syncthreads();
     if (s_last) __threadfence();
@@ -341,8 +346,9 @@ __device__ __forceinline__ bool arrive_last(u32* count, u32 of) {
 // Level 0: each block narrows its slice of the tie list to the slice's own
 // top w and writes them back at the slice's start (every key of the overall
 // top w is in its slice's top w). Level 1: the last block of each group of
-// FM_MERGE_FAN to finish merges the group's lists the same way, into the
-// group's first slice. Level 2: the last group's merger merges the groups'
+// FM_MERGE_FAN to finish merges the group's lists the same way and writes
+// the result from the group's first slice's start (it can run on into the
+// group's later slices). Level 2: the last group's merger merges the groups'
 // lists, adds the sure keys and ranks the `want` winners (fin: shared
 // memory, FM_RANK_MAX keys at least) among themselves.
 #define FM_MERGE_FAN 8
@@ -386,8 +392,8 @@ __device__ void order_narrowed(const SelectSeq& S, u32 ns, u32 nt, u32 want, u64
     if (threadIdx.x == 0) st->cnt[x] = s_n;
     const u32 grp = x / FM_MERGE_FAN, b0 = grp * FM_MERGE_FAN, nb = min(G, b0 + FM_MERGE_FAN) - b0;
     if (!arrive_last(&st->garrived[grp], nb)) return;
-    // Level 1: the group's lists into its first slice (they lie inside the
-    // group's slices, and so does their top w).
+    // Level 1: the group's lists, merged, written from its first slice's
+    // start (they lie inside the group's slices, and so does their top w).
     if (threadIdx.x == 0) s_n = 0;
     merge(nb, [&](u32 r) { return slice(b0 + r); }, [&](u32 r) { return __ldcg(&st->cnt[b0 + r]); });
     for (u32 i = threadIdx.x; i < s_n; i += blockDim.x) S.tie[slice(b0) + i] = fin[i];

@@ -715,8 +715,8 @@ impl CudaScorer {
     /// The selection's candidate counts of the first sequence of the last
     /// call on `stream` (benchmarks): keys certainly in the top-k, and keys
     /// in the threshold bin of the 12-bit histogram (ties). Sure + ties above
-    /// 4,096 takes the single-block narrowing path. Waits for the stream;
-    /// None before any call on it.
+    /// 4,096 takes fm_order's merge-tree narrowing (order_narrowed). Waits
+    /// for the stream; None before any call on it.
     pub fn last_candidates(&self, stream: StreamHandle) -> Result<Option<(u32, u32)>> {
         let dev = self.device();
         let _g = dev.bind()?;
@@ -922,11 +922,54 @@ impl BoundsBackend for CudaBoundsHandle {
             pad: 0,
         };
         let blocks = (b.n_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
-        me.select.launch(&me.launch, sel, blocks, err, s)?;
+        if let Err(e) = me.select.launch(&me.launch, sel, blocks, err, s) {
+            // As in CudaScorer::run: the scoring kernel (or fm_select) may
+            // have filled counts that no fm_order will zero.
+            if !driver::is_capturing(s).unwrap_or(true) {
+                let _ = ws.reset_selection(s);
+            }
+            return Err(e);
+        }
         if me.sync {
             driver::stream_sync(s)?;
             ws.take_error(s)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The value of `#define NAME value` in the scorer's CUDA source.
+    fn define(name: &str) -> u64 {
+        let src = crate::kernels::SCORER_CU;
+        let line = src
+            .lines()
+            .find(|l| l.split_whitespace().take(2).eq(["#define", name]))
+            .unwrap_or_else(|| panic!("#define {name} not in the scorer source"));
+        let value = line.split_whitespace().nth(2).unwrap();
+        value.trim_end_matches('u').parse().unwrap_or_else(|_| panic!("#define {name} {value}: not a number"))
+    }
+
+    /// The launch shapes and buffer layouts the host assumes are the ones the
+    /// kernels were written for (a mismatch would index past an array on the
+    /// device, or leave an arrival count short).
+    #[test]
+    fn host_constants_match_the_kernels() {
+        assert_eq!(define("FM_SEL_THREADS"), SEL_THREADS as u64);
+        assert_eq!(define("FM_SEL_ITEMS"), SEL_ITEMS as u64);
+        assert_eq!(define("FM_ORDER_MAX"), ORDER_MAX as u64);
+        assert_eq!(define("FM_ORDER_CANDS"), ORDER_CANDS as u64);
+        assert_eq!(define("FM_ORDER_CANDS") * define("FM_ORDER_SLICES"), ORDER_THREADS as u64);
+        assert_eq!(define("FM_ORDER_BLOCKS"), (ORDER_MAX / ORDER_CANDS) as u64);
+        assert_eq!(define("FM_RANK_MAX"), TOPK_MAX as u64);
+        assert_eq!(define("FM_PROJ_ROWS"), PROJECT_ROWS as u64);
+        assert_eq!(define("FM_MAX_BATCH"), MAX_BATCH as u64);
+        assert_eq!(define("WG_GROUPS"), WG_GROUPS as u64);
+        assert_eq!(define("WG_STAGES"), WG_STAGES as u64);
+        assert_eq!(1u64 << define("FM_HIST_BITS"), HIST as u64);
+        assert!(crate::kernels::SCORER_CU.contains(&format!("sizeof(SelectState) == {SELECT_STATE_BYTES}")));
     }
 }
