@@ -50,8 +50,11 @@ import glob, json, os, sys
 rows = {}
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "variant-*-[12].json"))):
     name, rnd = os.path.basename(f)[8:-5].rsplit("-", 1)
-    for r in json.load(open(f)).get("rows", []):
+    j = json.load(open(f))
+    for r in j.get("rows", []):
         rows.setdefault((r["scope"], r["keys"], r["chunks"]), {}).setdefault(name, []).append(r["kvswap_us"])
+    for r in j.get("spread", []):  # score distributions (score scope, bf16)
+        rows.setdefault(("scores", r["scores"], r["chunks"]), {}).setdefault(name, []).append(r["kvswap_us"])
 names = sorted({n for v in rows.values() for n in v})
 print("scope  keys  chunks   " + "  ".join(f"{n:>22s}" for n in names))
 for key, v in sorted(rows.items()):
