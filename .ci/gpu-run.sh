@@ -56,9 +56,10 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "variant-*-[12].json"))):
     for r in j.get("spread", []):  # score distributions (score scope, bf16)
         rows.setdefault(("scores", r["scores"], r["chunks"]), {}).setdefault(name, []).append(r["kvswap_us"])
 names = sorted({n for v in rows.values() for n in v})
-print("scope  keys  chunks   " + "  ".join(f"{n:>22s}" for n in names))
+kw = max([4] + [len(k[1]) for k in rows])  # the keys column: dtypes, or score-distribution names
+print(f"scope  {'keys':{kw}s} chunks   " + "  ".join(f"{n:>22s}" for n in names))
 for key, v in sorted(rows.items()):
-    print(f"{key[0]:6s} {key[1]:5s} {key[2]:7d}  " + "  ".join(f"{' / '.join(f'{x:.1f}' for x in v.get(n, [])):>22s}" for n in names))
+    print(f"{key[0]:6s} {key[1]:{kw}s} {key[2]:7d}  " + "  ".join(f"{' / '.join(f'{x:.1f}' for x in v.get(n, [])):>22s}" for n in names))
 PY
 fi
 if [[ $what == baseline ]]; then

@@ -508,12 +508,13 @@ enum KvswapStatus fm_scorer_set_ensemble(struct FmScorer *scorer, KvswapEnsemble
 // per thread using `CU_STREAM_PER_THREAD`). On CUDA `hidden` must be
 // 16-byte aligned.
 //
-// On CUDA the time also depends on how the scores are spread: when more
-// than 4,096 chunks share the selection's threshold bin (scores within
-// about 6-12% of the k-th one), it narrows them in a slower path. On an
-// H200 at 262,144 chunks and k = 512 a call then takes about 95-100 us
-// instead of about 37 us (`kvswap bench --backend cuda --scorer`, its
-// "scores" table).
+// On CUDA the time also depends on how the scores are spread. The
+// selection sorts scores into 4,096 bins (each a band 6-12% wide); when
+// the k-th score's bin and the bins above it hold more than 4,096 chunks
+// (scores crowded together), it narrows them in a slower path. On an H200
+// at 262,144 chunks and k = 512 that path added 57-63 us to the 36.7 us of
+// a scoring pass with q and w given (`kvswap bench --backend cuda
+// --scorer`, its "scores" table).
 enum KvswapStatus fm_score_topk(const struct FmScorer *scorer,
                                 const float *hidden,
                                 const struct FmKeys *keys,

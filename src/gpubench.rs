@@ -786,10 +786,10 @@ pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
         let single_us = bench.graph_us(5, || unsafe { bench.scorer.score_topk(&seqs[0], k, e, s as u64) })?;
         batch.push(FmBatchRow { seqs: bsz, chunks_per_seq: per, batch_us, per_seq_us: batch_us / bsz as f64, single_call_us: single_us });
     }
-    // Score distributions (score scope, bf16 keys, 262,144 chunks): the
-    // random checkpoint's wide spread; positive head weights (every score a
-    // sum of relus); keys clustered around one key (a trained indexer's
-    // scores can crowd into a few histogram bins).
+    // Score distributions (score scope, bf16 keys, 262,144 chunks): random
+    // keys, q and w (a wide spread, scores of both signs); positive head
+    // weights (every score a sum of relus); keys clustered around one key
+    // (a trained indexer's scores can crowd into a few histogram bins).
     let mut spread = Vec::new();
     let n = 262_144usize;
     let wpos: Vec<u8> = (0..sc * h).flat_map(|i| (0.5 + ((i * 37) % 100) as f32 / 100.0).to_le_bytes()).collect();

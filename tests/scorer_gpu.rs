@@ -16,6 +16,8 @@ mod common;
 
 use common::{scaled, Rng};
 use kvswap::backend::cuda::driver::{self, Device, DeviceBuffer, Graph, OwnedStream};
+use kvswap::backend::cuda::scorer::CudaScorer;
+use kvswap::scorer::ScorerBackend;
 use kvswap::config::Ensemble;
 use kvswap::scorer::reference::{self, Projection};
 use kvswap::scorer::{write, Checkpoint, KeyDtype, Keys, KeysRef, Meta, Scorer, SeqRef, WeightDtype};
@@ -452,56 +454,101 @@ fn cuda_scorer_adversarial_inputs() {
     check_topk(&got, &scores, &tol, 64, "after an error");
 }
 
-/// Bf16 keys clustered around one random key (key = base + eps * noise), and
-/// how many of their reference scores share the k-th score's bin of the
-/// selection's 12-bit histogram (the top 12 bits of the f32 score's sortable
-/// key).
-fn clustered_keys(rng: &mut Rng, ckpt: &Checkpoint, hidden: &[f32], n: usize, dim: usize, eps: f32, k: usize) -> (HostKeys, Vec<f64>, Vec<f64>, usize) {
-    let base: Vec<f32> = (0..dim).map(|_| gauss(rng)).collect();
+/// Scores crowded into the selection's threshold bin, computed exactly.
+/// q (bf16, -2 ..= 2), the head weights (1 or 2) and the keys (bf16: one
+/// base key of -8 ..= 8, plus or minus 1 on `flips` random dims per chunk,
+/// so within -24 ..= 24) are small integers: every product and partial sum
+/// is an integer below 2^24 (at most 64 heads x 2 x 128 dims x 2 x 24), so
+/// the tensor cores' f32
+/// scores are exact and the GPU's top-k must equal the f64 reference's
+/// exactly, ties to the lower id included. (With real-valued inputs the
+/// test's tolerance is wider than such a cluster: it could not tell a right
+/// selection from a wrong one.) Scored with q and w given (score_with_qw).
+struct ExactCluster {
+    q: DeviceBuffer,
+    w: DeviceBuffer,
+    seq: SeqRef,
+    bufs: SeqBufs,
+    projs: Vec<Projection>,
+    keys: HostKeys,
+    /// The reference top-k (filled once the cluster is kept).
+    want: Vec<i32>,
+}
+
+/// The host side of an exact cluster: q, w, the keys and the reference's projections.
+fn exact_cluster_data(rng: &mut Rng, n: usize, flips: usize) -> (Vec<f32>, Vec<f32>, HostKeys, Vec<Projection>) {
+    let (s, h, dim, _) = BENCH_SHAPE;
+    let (s, h, dim) = (s as usize, h as usize, dim as usize);
+    let small = |rng: &mut Rng, m: u64| rng.below(2 * m + 1) as f32 - m as f32;
+    let q: Vec<f32> = (0..s * h * dim).map(|_| small(rng, 2)).collect();
+    let w: Vec<f32> = (0..s * h).map(|_| 1.0 + rng.below(2) as f32).collect();
+    let base: Vec<f32> = (0..dim).map(|_| small(rng, 8)).collect();
     let mut vals = Vec::with_capacity(n * dim);
     for _ in 0..n {
-        for &b in &base {
-            vals.push(b + eps * gauss(rng));
+        let mut key = base.clone();
+        for _ in 0..flips {
+            key[rng.below(dim as u64) as usize] += if rng.below(2) == 0 { 1.0 } else { -1.0 };
         }
+        vals.extend_from_slice(&key);
     }
     let keys = HostKeys::from_values(rng, KeyDtype::Bf16, &vals, n, dim);
-    let (scores, tol) = reference_with_tolerance(ckpt, Ensemble::Max, hidden, &keys);
-    let bin = |x: f64| {
-        let b = (x as f32).to_bits();
-        (if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 }) >> 20
-    };
-    let kth = bin(scores[kvswap::scorer::topk::topk(&scores, k)[k - 1] as usize]);
-    let in_bin = scores.iter().filter(|&&x| bin(x) == kth).count();
-    (keys, scores, tol, in_bin)
+    let projs: Vec<Projection> = (0..s)
+        .map(|i| Projection {
+            q: q[i * h * dim..(i + 1) * h * dim].iter().map(|&x| x as f64).collect(),
+            w: w[i * h..(i + 1) * h].iter().map(|&x| x as f64).collect(),
+        })
+        .collect();
+    (q, w, keys, projs)
+}
+
+fn exact_cluster(d: &Dev, rng: &mut Rng, n: usize, flips: usize, k: u32) -> ExactCluster {
+    let (q, w, keys, projs) = exact_cluster_data(rng, n, flips);
+    let q_bits: Vec<u8> = q.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect();
+    let (seq, bufs) = upload_seq(d, &[0.0; 4], &keys, k);
+    ExactCluster { q: d.upload(&q_bits), w: d.upload(&f32_bytes(&w)), seq, bufs, projs, keys, want: Vec::new() }
+}
+
+/// Scores `c` on `cs` (poisoned output first) and returns the top-k and the
+/// selection's candidate counts (sure keys, ties).
+fn run_exact(d: &Dev, cs: &CudaScorer, c: &ExactCluster, k: u32) -> (Vec<i32>, (u32, u32)) {
+    d.upload_into(&c.bufs.out, &vec![0x5au8; 4 * k as usize]);
+    let st = d.stream.0 as u64;
+    unsafe { cs.score_with_qw(&[c.seq], &[(c.q.ptr, c.w.ptr)], k as usize, Ensemble::Max, st).unwrap() };
+    cs.sync_errors(st).unwrap();
+    (d.download_i32(&c.bufs.out, k as usize), cs.last_candidates(st).unwrap().unwrap())
+}
+
+/// An exact cluster whose candidates (sure keys plus ties) exceed the 4,096
+/// fm_order ranks in parallel, so the selection narrows them (redrawn until
+/// the GPU reports so; a cluster can straddle a bin edge).
+fn narrowed_cluster(d: &Dev, cs: &CudaScorer, rng: &mut Rng, n: usize, flips: usize, k: u32) -> (ExactCluster, Vec<i32>, (u32, u32)) {
+    for _ in 0..20 {
+        let mut c = exact_cluster(d, rng, n, flips, k);
+        let (got, counts) = run_exact(d, cs, &c, k);
+        if counts.0 + counts.1 > 4096 {
+            let scores = reference::ensemble_scores(&c.projs, &c.keys.keys(), Ensemble::Max).unwrap();
+            c.want = kvswap::scorer::topk::topk(&scores, k as usize);
+            return (c, got, counts);
+        }
+    }
+    panic!("n={n} flips={flips}: no draw in 20 put more than 4,096 candidates in the selection");
 }
 
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn cuda_scorer_clustered_scores() {
-    // Distinct scores crowded into the threshold bin (keys clustered around
-    // one key, as averaged chunk keys can be): more candidates than fm_order
-    // ranks in parallel (4,096), so they are narrowed by radix passes over
-    // distinct score bits, not only over ids as with exact ties.
-    let mut rng = Rng::fresh("scorer gpu clustered");
+    // Many distinct scores (16 flipped dims per key) and many exact ties
+    // (one flipped dim), with k = 64 .. 2,048: the merge-tree narrowing
+    // must give exactly the reference top-k.
+    let mut rng = Rng::fresh("scorer gpu clustered exact");
     let d = Dev::new();
     let (s, h, dim, hid) = BENCH_SHAPE;
-    let (ckpt, scorer, hidden) = bf16_scorer(&mut rng, s, h, dim, hid);
-    // (chunks, eps, k, whether more than 4,096 scores must share the
-    // threshold bin: a tight cluster can still straddle a bin edge, so its
-    // base key is drawn again until they do; the loose case lands on either
-    // side of 4,096, run to run)
-    for (n, eps, k, tight) in [(30_000usize, 0.002f32, 1000usize, true), (60_000, 0.005, 2048, true), (9_000, 0.002, 64, true), (30_000, 0.03, 1000, false)] {
-        let mut draw = 0;
-        let (keys, scores, tol, in_bin) = loop {
-            let c = clustered_keys(&mut rng, &ckpt, &hidden, n, dim as usize, eps, k);
-            draw += 1;
-            if !tight || c.3 > 4096 || draw == 20 {
-                break c;
-            }
-        };
-        assert!(!tight || in_bin > 4096, "n={n} eps={eps}: {in_bin} reference scores in the threshold bin after {draw} draws");
-        let got = gpu_topk(&d, &scorer, &hidden, &keys, k as u32).unwrap();
-        check_topk(&got, &scores, &tol, k, &format!("clustered, n={n} eps={eps} k={k} ({in_bin} in the threshold bin)"));
+    let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
+    let cs = CudaScorer::new(&ckpt, 0, true).unwrap();
+    for (n, flips, k) in [(30_000usize, 16usize, 1000u32), (60_000, 16, 2048), (9_000, 16, 64), (40_000, 1, 512), (100_000, 16, 512)] {
+        let (c, got, (sure, ties)) = narrowed_cluster(&d, &cs, &mut rng, n, flips, k);
+        assert_eq!(got, c.want, "n={n} flips={flips} k={k}: {sure} sure keys + {ties} ties");
+        eprintln!("clustered n={n} flips={flips} k={k}: {sure} sure keys + {ties} ties, exact");
     }
 }
 
@@ -509,48 +556,42 @@ fn cuda_scorer_clustered_scores() {
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn cuda_scorer_clustered_graph_replay() {
     // The many-candidate narrowing leaves its arrival counts at zero for
-    // the next call: replays of a captured call, and eager calls with other
-    // keys in between on the same stream (same workspace), all give the
-    // eager result exactly (the same kernels on the same inputs).
+    // the next call: replays of a captured call, with eager calls on the
+    // same stream (same workspace: every call here fits the first one's)
+    // in between, of random keys and of another cluster of another size,
+    // all give the exact top-k.
     let mut rng = Rng::fresh("scorer gpu clustered replay");
     let d = Dev::new();
     let (s, h, dim, hid) = BENCH_SHAPE;
     let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
-    let scorer = Scorer::with_sync(ckpt.clone(), 0, false).unwrap();
-    let hidden = random_hidden(&mut rng, s, hid);
+    let cs = CudaScorer::new(&ckpt, 0, false).unwrap();
     let k = 512u32;
-    let (keys, in_bin) = (0..20)
-        .map(|_| {
-            let (keys, _, _, in_bin) = clustered_keys(&mut rng, &ckpt, &hidden, 20_000, dim as usize, 0.002, k as usize);
-            (keys, in_bin)
-        })
-        .find(|c| c.1 > 4096)
-        .expect("a cluster with more than 4,096 scores in the threshold bin in 20 draws");
-    let (seq, bufs) = upload_seq(&d, &hidden, &keys, k);
-    let other = HostKeys::random(&mut rng, KeyDtype::Bf16, 30_000, dim as usize, 1.0);
-    let (other_seq, other_bufs) = upload_seq(&d, &hidden, &other, k);
+    let (c, got, _) = narrowed_cluster(&d, &cs, &mut rng, 20_000, 16, k);
+    assert_eq!(got, c.want, "eager");
+    let (other, got, _) = narrowed_cluster(&d, &cs, &mut rng, 9_000, 1, k);
+    assert_eq!(got, other.want, "eager, the other cluster");
+    let hidden = random_hidden(&mut rng, s, hid);
+    let random = HostKeys::random(&mut rng, KeyDtype::Bf16, 12_000, dim as usize, 1.0);
+    let (random_seq, random_bufs) = upload_seq(&d, &hidden, &random, k);
+    let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &random);
     let st = d.stream.0;
-    let eager = |q: &SeqRef, b: &SeqBufs| {
-        d.upload_into(&b.out, &vec![0x5au8; 4 * k as usize]);
-        unsafe { scorer.score_topk(q, k, st as u64).unwrap() };
-        scorer.sync(st as u64).unwrap();
-        d.download_i32(&b.out, k as usize)
-    };
-    let want = eager(&seq, &bufs);
-    let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
-    check_topk(&want, &scores, &tol, k as usize, &format!("clustered, eager ({in_bin} in the threshold bin)"));
     let _g = d.dev.bind().unwrap();
-    let graph = Graph::capture(st, || unsafe { scorer.score_topk(&seq, k, st as u64) }).unwrap();
-    let (other_scores, other_tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &other);
+    let graph = Graph::capture(st, || unsafe { cs.score_with_qw(&[c.seq], &[(c.q.ptr, c.w.ptr)], k as usize, Ensemble::Max, st as u64) }).unwrap();
     for round in 0..6 {
-        d.upload_into(&bufs.out, &vec![0x5au8; 4 * k as usize]);
+        d.upload_into(&c.bufs.out, &vec![0x5au8; 4 * k as usize]);
         graph.launch(st).unwrap();
         d.stream.sync().unwrap();
-        scorer.sync(st as u64).unwrap();
-        assert_eq!(d.download_i32(&bufs.out, k as usize), want, "replay {round}");
-        if round % 2 == 1 {
-            check_topk(&eager(&other_seq, &other_bufs), &other_scores, &other_tol, k as usize, "random keys between replays");
-            assert_eq!(eager(&seq, &bufs), want, "eager call after replay {round}");
+        cs.sync_errors(st as u64).unwrap();
+        assert_eq!(d.download_i32(&c.bufs.out, k as usize), c.want, "replay {round}");
+        match round % 3 {
+            0 => assert_eq!(run_exact(&d, &cs, &other, k).0, other.want, "the other cluster after replay {round}"),
+            1 => {
+                d.upload_into(&random_bufs.out, &vec![0x5au8; 4 * k as usize]);
+                unsafe { cs.score_topk(&random_seq, k as usize, Ensemble::Max, st as u64).unwrap() };
+                cs.sync_errors(st as u64).unwrap();
+                check_topk(&d.download_i32(&random_bufs.out, k as usize), &scores, &tol, k as usize, "random keys between replays");
+            }
+            _ => assert_eq!(run_exact(&d, &cs, &c, k).0, c.want, "eager after replay {round}"),
         }
     }
 }

@@ -36,7 +36,7 @@
 #define FM_MERGE_GROUPS 8
 struct SelectState {
     u64 appended;
-    u64 filed;
+    u64 filed;  // at byte 8: CudaScorer::last_candidates reads it there
     u32 cnt[FM_ORDER_BLOCKS];
     u32 gcnt[FM_MERGE_GROUPS];
     u32 garrived[FM_MERGE_GROUPS];

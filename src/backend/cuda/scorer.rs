@@ -106,6 +106,9 @@ struct SelectSeq {
     pad: u32,
 }
 
+/// Bit position of the tie count in the selection state's `filed` word
+/// (FM_ST_TIE_SHIFT), which sits at byte 8 of the state.
+const ST_TIE_SHIFT: u32 = 20;
 /// Bytes of a sequence's selection state (SelectState in topk.cu): append
 /// cursors, the published counts, and fm_order's merge-tree lengths and
 /// arrival counts.
@@ -713,14 +716,20 @@ impl CudaScorer {
     }
 
     /// The selection's candidate counts of the first sequence of the last
-    /// call on `stream` (benchmarks): keys certainly in the top-k, and keys
-    /// in the threshold bin of the 12-bit histogram (ties). Sure + ties above
-    /// 4,096 takes fm_order's merge-tree narrowing (order_narrowed). Waits
-    /// for the stream; None before any call on it.
+    /// launch group on `stream` (benchmarks and tests; a call runs in launch
+    /// groups of up to 64 sequences of one key dtype, and a call that failed
+    /// before launching leaves the counts of the one before): keys certainly
+    /// in the top-k, and keys in the threshold bin of the 12-bit histogram
+    /// (ties). Sure + ties above 4,096 takes fm_order's merge-tree narrowing
+    /// (order_narrowed). Waits for the stream (refused while it is being
+    /// captured); None before any call on it.
     pub fn last_candidates(&self, stream: StreamHandle) -> Result<Option<(u32, u32)>> {
         let dev = self.device();
         let _g = dev.bind()?;
-        let s = stream as CUstream;
+        let s = check_stream(dev, stream)?;
+        if driver::is_capturing(s)? {
+            return Err(Error::invalid("the stream is being captured into a CUDA graph: read the counts after the capture ends"));
+        }
         let slot = self.workspaces.slot(s);
         let held = slot.lock().unwrap_or_else(|p| p.into_inner());
         let Some(ws) = held.as_ref() else { return Ok(None) };
@@ -730,7 +739,7 @@ impl CudaScorer {
         driver::stream_sync(s)?;
         // SAFETY: the copy completed; two aligned u64 (appended, filed).
         let filed = unsafe { *(ws.readback.host as *const u64).add(1) };
-        Ok(Some(((filed & ((1 << 20) - 1)) as u32, (filed >> 20) as u32)))
+        Ok(Some(((filed & ((1 << ST_TIE_SHIFT) - 1)) as u32, (filed >> ST_TIE_SHIFT) as u32)))
     }
 
     /// Bytes of the weights on the device and their dtype.
@@ -970,6 +979,9 @@ mod tests {
         assert_eq!(define("WG_GROUPS"), WG_GROUPS as u64);
         assert_eq!(define("WG_STAGES"), WG_STAGES as u64);
         assert_eq!(1u64 << define("FM_HIST_BITS"), HIST as u64);
+        assert_eq!(HIST as u64 + (1u64 << define("FM_COARSE_BITS")), HIST_WORDS as u64);
+        assert_eq!(define("FM_ST_TIE_SHIFT"), ST_TIE_SHIFT as u64);
         assert!(crate::kernels::SCORER_CU.contains(&format!("sizeof(SelectState) == {SELECT_STATE_BYTES}")));
+        assert!(crate::kernels::SCORER_CU.contains("struct SelectState {\n    u64 appended;\n    u64 filed;"));
     }
 }
