@@ -41,16 +41,18 @@ __device__ __forceinline__ u32 e4m3x2_hi_to_f16x2(u32 four) {
 // The head weights of n-tile j's two columns of this thread, from shared memory.
 __device__ __forceinline__ float2 sh_weights(const float* sh_w, u32 lane, u32 j) { return *(const float2*)(sh_w + j * 8 + 2 * (lane & 3u)); }
 
-// One row, any scale: x = d * c (MODE 1) or (d * inv) * scale (MODE 2) per
+// One row, any scale: x = d * c (c normal) or (d * inv) * scale per
 // accumulator, then the ensemble as wg_row_score.
-template <int MODE>
+// (`normal`: c = scale * 2^-e is a normal float; chosen per element, not by
+// a branch around the call: rows of one warp can differ, and head_sums'
+// full-warp shuffles must not sit in divergent branches.)
 __device__ __forceinline__ float wg8_row_score(const float* d, u32 half, const float* sh_w, u32 lane, float c, float inv, float scale,
-                                               bool mean, bool& finite) {
+                                               bool normal, bool mean, bool& finite) {
     finite = isfinite(d[2 * half]) && isfinite(scale);
     float ens;
     head_sums<1>(
         d, half, [&](u32 j) { return sh_weights(sh_w, lane, j); },
-        [&](u32, float a) { return MODE == 1 ? a * c : (a * inv) * scale; }, no_post, mean, &ens, &finite);
+        [&](u32, float a) { return normal ? a * c : (a * inv) * scale; }, no_post, mean, &ens, &finite);
     return ens;
 }
 
@@ -321,8 +323,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
             const float c = scale * inv;
             bool finite;
             float ens;
-            if (fabsf(c) >= 1.17549435e-38f && fabsf(c) <= 3.40282347e38f) ens = wg8_row_score<1>(d, half, sh_w, lane, c, inv, scale, mean, finite);
-            else ens = wg8_row_score<2>(d, half, sh_w, lane, c, inv, scale, mean, finite);
+            const bool normal = fabsf(c) >= 1.17549435e-38f && fabsf(c) <= 3.40282347e38f;
+            ens = wg8_row_score(d, half, sh_w, lane, c, inv, scale, normal, mean, finite);
             wg_file_score(ens, finite, in, chunk, lane, S, sh_hist, bad, bad_chunk);
         }
         TR(9);
