@@ -140,7 +140,7 @@ __device__ __forceinline__ void cp_async_wait_stages() {
     asm volatile("cp.async.wait_group %0;" ::"n"(WG_STAGES - 2) : "memory");
 }
 
-// Barrier of one warpgroup (ids 1 and 2; 0 is __syncthreads).
+// Barrier of one warpgroup (ids 1 .. WG_GROUPS; 0 is __syncthreads).
 __device__ __forceinline__ void wg_barrier(u32 g) {
     asm volatile("bar.sync %0, %1;" ::"r"(g + 1), "n"(WG_GROUP_THREADS) : "memory");
 }
@@ -258,10 +258,6 @@ __device__ __forceinline__ float quad_sum(float si) {
 __device__ __forceinline__ void ensemble_fold(float si, u32 sc, bool mean, float& ens, bool& finite) {
     finite &= isfinite(si);
     ens = mean ? ens + si : (sc == 0 ? si : fmaxf(ens, si));
-}
-// One scorer's term of the ensemble: its quad sum, folded into `ens`.
-__device__ __forceinline__ void ensemble_add(float si, u32 sc, bool mean, float& ens, bool& finite) {
-    ensemble_fold(quad_sum(si), sc, mean, ens, finite);
 }
 
 // Files a row's score: its sortable key (the lowest score after an error)
@@ -387,7 +383,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg(ScoreBat
     }
     cp_async_wait_all();  // Q (and the first tiles, loaded alongside)
     fence_async_smem();
-    __syncthreads();  // Q and the histogram are ready for both warpgroups
+    __syncthreads();  // Q and the histogram are ready for every warpgroup
     bool bad = false;
     u32 bad_chunk = 0;
     const u64 db0 = gmma_desc(smem_addr(sh_q));
