@@ -683,11 +683,15 @@ impl FmBench<'_> {
         Ok(time_ms(self.s, self.rounds, || g.launch(self.s))? * 1e3 / calls as f64)
     }
 
+    /// `n` per-chunk scales of 1.0 (f32).
+    fn unit_scales(&self, n: usize) -> Result<DeviceBuffer> {
+        self.upload(&(0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect::<Vec<u8>>(), "scales")
+    }
+
     fn keys(&self, dtype: KeyDtype, n: usize) -> Result<(DeviceBuffer, DeviceBuffer)> {
         let d = self.meta.head_dim as usize;
         let keys = self.upload(&random_keys(dtype, n, d, 0x9e37 + n as u64), "keys")?;
-        let ones: Vec<u8> = (0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect();
-        let scales = self.upload(&ones, "scales")?;
+        let scales = self.unit_scales(n)?;
         Ok((keys, scales))
     }
 }
@@ -794,8 +798,7 @@ pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
     let n = 262_144usize;
     let wpos: Vec<u8> = (0..sc * h).flat_map(|i| (0.5 + ((i * 37) % 100) as f32 / 100.0).to_le_bytes()).collect();
     let wpos = bench.upload(&wpos, "w")?;
-    let ones: Vec<u8> = (0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect();
-    let scales = bench.upload(&ones, "scales")?;
+    let scales = bench.unit_scales(n)?;
     for (name, eps, weights) in [
         ("random", None, &w),
         ("positive weights", None, &wpos),

@@ -534,17 +534,24 @@ fn narrowed_cluster(d: &Dev, cs: &CudaScorer, rng: &mut Rng, n: usize, flips: us
     panic!("n={n} flips={flips}: no draw in 20 put more than 4,096 candidates in the selection");
 }
 
+/// A random checkpoint of the benchmark shape and its CUDA scorer (the exact
+/// cluster tests call it directly: score_with_qw, last_candidates).
+fn exact_setup(name: &str, sync: bool) -> (Rng, Dev, Arc<Checkpoint>, CudaScorer) {
+    let mut rng = Rng::fresh(name);
+    let d = Dev::new();
+    let (s, h, dim, hid) = BENCH_SHAPE;
+    let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
+    let cs = CudaScorer::new(&ckpt, 0, sync).unwrap();
+    (rng, d, ckpt, cs)
+}
+
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn cuda_scorer_clustered_scores() {
     // Many distinct scores (16 flipped dims per key) and many exact ties
     // (one flipped dim), with k = 64 .. 2,048: the merge-tree narrowing
     // must give exactly the reference top-k.
-    let mut rng = Rng::fresh("scorer gpu clustered exact");
-    let d = Dev::new();
-    let (s, h, dim, hid) = BENCH_SHAPE;
-    let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
-    let cs = CudaScorer::new(&ckpt, 0, true).unwrap();
+    let (mut rng, d, _ckpt, cs) = exact_setup("scorer gpu clustered exact", true);
     for (n, flips, k) in [(30_000usize, 16usize, 1000u32), (60_000, 16, 2048), (9_000, 16, 64), (40_000, 1, 512), (100_000, 16, 512)] {
         let (c, got, (sure, ties)) = narrowed_cluster(&d, &cs, &mut rng, n, flips, k);
         assert_eq!(got, c.want, "n={n} flips={flips} k={k}: {sure} sure keys + {ties} ties");
@@ -560,11 +567,8 @@ fn cuda_scorer_clustered_graph_replay() {
     // same stream (same workspace: every call here fits the first one's)
     // in between, of random keys and of another cluster of another size,
     // all give the exact top-k.
-    let mut rng = Rng::fresh("scorer gpu clustered replay");
-    let d = Dev::new();
-    let (s, h, dim, hid) = BENCH_SHAPE;
-    let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
-    let cs = CudaScorer::new(&ckpt, 0, false).unwrap();
+    let (mut rng, d, ckpt, cs) = exact_setup("scorer gpu clustered replay", false);
+    let (s, _, dim, hid) = BENCH_SHAPE;
     let k = 512u32;
     let (c, got, _) = narrowed_cluster(&d, &cs, &mut rng, 20_000, 16, k);
     assert_eq!(got, c.want, "eager");
