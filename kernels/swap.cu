@@ -47,7 +47,9 @@ struct LayerDev {
     u32* miss_list;       // [2*slots] (slot, chunk) of this call's misses
     u32* n_miss;          // [1] misses of the last call (read by the gather)
     u64* stats;           // [8] counters
-    u32* err;             // [4] code, position, id, spare
+    u32* err;             // [8] code, position, id, spare; kvswap_validate's
+                          // arrival count, spare, and (8-byte aligned) the
+                          // lowest mismatch of its launch (u64)
     u8* host_tier;        // mapped pinned host memory, cap * chunk_bytes
     u8* staging;          // slot rows
     u64 stride;           // bytes between slot rows
@@ -103,7 +105,7 @@ extern "C" __global__ void kvswap_init_layer(LayerDev L) {
     for (u32 s = t; s < L.slots; s += nt) L.selected[s] = 0;
     for (u32 w = t; w < (L.cap + 31) / 32; w += nt) L.stored[w] = 0;
     if (t < 8) L.stats[t] = 0;
-    if (t < 4) L.err[t] = 0;
+    if (t < 8) L.err[t] = 0;
     if (t == 0) {
         *L.parity = 0;
         *L.n_miss = 0;
@@ -351,9 +353,14 @@ extern "C" __global__ void kvswap_store(LayerDev L, const u8* src, u64 src_strid
     }
 }
 
-// KVSWAP_VALIDATE=1: every selected slot of the last call equals its host copy.
+// KVSWAP_VALIDATE=1: every selected slot of the last call equals its host
+// copy. The error names the lowest mismatching position, as the CPU backend
+// does: every mismatch goes into an atomic maximum of ~(position << 32 |
+// id) (0: none), and the last block to finish records the lowest one (first
+// error wins, as for every other error) and clears the word and its count.
 extern "C" __global__ void kvswap_validate(LayerDev L, const i32* indices, u32 window, u32 count) {
-    if (*L.n_miss == KV_NONE) return;  // the call was refused: nothing was staged
+    if (*L.n_miss == KV_NONE) return;  // the call was refused: nothing was staged (every block returns)
+    u64* lowest = (u64*)(L.err + 6);
     const u64 warp = (blockIdx.x * (u64)blockDim.x + threadIdx.x) >> 5;
     const u64 nwarps = (gridDim.x * (u64)blockDim.x) >> 5;
     const u32 lane = threadIdx.x & 31u;
@@ -366,6 +373,20 @@ extern "C" __global__ void kvswap_validate(LayerDev L, const i32* indices, u32 w
         const u8* b = L.host_tier + id * L.chunk_bytes;
         bool same = true;
         for (u64 k = lane; k < L.chunk_bytes; k += 32) same &= a[k] == b[k];
-        if (!__all_sync(KVS_FULL_MASK, same) && lane == 0) record_error(L.err, KV_ERR_VALIDATION, (u32)i, id);
+        if (!__all_sync(KVS_FULL_MASK, same) && lane == 0) atomicMax(lowest, ~(((u64)i << 32) | id));
+    }
+    __shared__ bool s_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(&L.err[4], 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (s_last && threadIdx.x == 0) {
+        __threadfence();  // every block's maximum is in
+        const u64 v = atomicExch(lowest, 0ull);
+        L.err[4] = 0;
+        if (v != 0) {
+            const u64 p = ~v;
+            record_error(L.err, KV_ERR_VALIDATION, (u32)(p >> 32), (u32)p);
+        }
     }
 }

@@ -242,6 +242,67 @@ fn validate_reports_a_corrupted_slot(sync: bool) {
     assert_eq!(swap(&[3, 60]).unwrap(), staged.iter().copied().filter(|&p| p != slot as i32).collect::<Vec<_>>(), "intact slots: no error, same slots");
 }
 
+/// Several corrupted slots: the error names the lowest position, as the CPU
+/// backend does (each position is checked by its own warp, in any order).
+fn validate_names_the_lowest_mismatch(sync: bool) {
+    let mut rng = Rng::fresh(if sync { "gpu validate lowest sync" } else { "gpu validate lowest async" });
+    let (cap, chunk, slots) = (64u32, 256usize, 16u32);
+    let gpu = Context::new(Config { validate: true, ..config(BackendChoice::Cuda, slots, sync) }, &[spec(cap, chunk as u32)]).unwrap();
+    let mut rows = vec![0u8; cap as usize * chunk];
+    rng.fill(&mut rows);
+    let ids: Vec<i32> = (0..cap as i32).collect();
+    gpu.store_rows(0, &ids, &rows).unwrap();
+    let mut sel: Vec<i32> = Vec::new();
+    while sel.len() < 12 {
+        let id = rng.below(cap as u64) as i32;
+        if !sel.contains(&id) {
+            sel.push(id);
+        }
+    }
+    let swap = |sel: &[i32]| -> kvswap::Result<Vec<i32>> {
+        let mut a = sel.to_vec();
+        let r = gpu.swap_in(0, &mut a, 0);
+        if sync {
+            r.map(|_| a)
+        } else {
+            r.expect("with sync = 0 the call itself succeeds");
+            gpu.sync().map(|_| a)
+        }
+    };
+    let staged = swap(&sel).unwrap();
+    // Corrupt the slots of positions first .. 12 (first drawn from 1 .. 8).
+    let first = 1 + rng.below(8) as usize;
+    let view = gpu.staging(0).unwrap();
+    let dev = Device::open(0).unwrap();
+    let _g = dev.bind().unwrap();
+    let s = OwnedStream::new().unwrap();
+    for p in first..sel.len() {
+        let at = rng.below(chunk as u64) as usize;
+        let flipped = [rows[sel[p] as usize * chunk + at] ^ 0x01];
+        unsafe { driver::copy_htod_async(view.ptr + staged[p] as u64 * view.stride + at as u64, flipped.as_ptr(), 1, s.0).unwrap() };
+    }
+    s.sync().unwrap();
+    for round in 0..3 {
+        let e = swap(&sel).unwrap_err();
+        assert_eq!(e.status, kvswap::KvswapStatus::ValidationFailed, "{e}");
+        assert!(e.message.contains(&format!("chunk {} (position {first})", sel[first])), "round {round}: the lowest mismatch is position {first}: {e}");
+        gpu.sync().unwrap(); // reported once
+    }
+    assert_eq!(swap(&sel[..first]).unwrap(), staged[..first].to_vec(), "the intact slots before it: no error");
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_validate_names_the_lowest_mismatch_sync() {
+    validate_names_the_lowest_mismatch(true);
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_validate_names_the_lowest_mismatch_async() {
+    validate_names_the_lowest_mismatch(false);
+}
+
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn cuda_validate_reports_a_corrupted_slot_sync() {

@@ -259,8 +259,10 @@ impl MetaLayout {
         let selected = stored + cap.div_ceil(32);
         let miss_list = selected + slots;
         let n_miss = miss_list + 2 * table_slots;
-        let err = n_miss + 1;
-        let stats = (err + 4).next_multiple_of(2);
+        // err: the 4-word error record, then kvswap_validate's arrival count,
+        // a spare word and its u64 lowest mismatch (8-byte aligned).
+        let err = (n_miss + 1).next_multiple_of(2);
+        let stats = err + 8;
         let words = stats + 16;
         MetaLayout { chunk_slot, slot_chunk, lru, parity, stored, selected, miss_list, n_miss, err, stats, words }
     }
