@@ -201,6 +201,33 @@ __device__ __forceinline__ void scan_keys(At at, u32 m, F f) {
     }
 }
 
+// Development timeline of fm_order's merge tree (KVSWAP_FM_DEFINES=
+// -DFM_OTRACE; the default build has none of it): thread 0 of a block sums SM
+// cycles per phase and level; the block that ranks the winners (it ran all
+// three levels) prints them for sequence 0 of every 64th crowded call.
+#ifdef FM_OTRACE
+#define OT_PHASES 10  // hist, threshold, push, collect, rank, write, arrive, passes, keys, group
+__shared__ unsigned long long ot_sum[3][OT_PHASES];
+__shared__ u32 ot_level;
+__device__ u32 ot_calls;
+#define OT_START long long ot_t = clock64();
+#define OT(i)                                           \
+    do {                                                \
+        if (threadIdx.x == 0) {                         \
+            const long long t_ = clock64();             \
+            ot_sum[ot_level][i] += (u64)(t_ - ot_t);    \
+            ot_t = t_;                                  \
+        }                                               \
+    } while (0)
+#define OT_ADD(i, v) do { if (threadIdx.x == 0) ot_sum[ot_level][i] += (v); } while (0)
+#define OT_LEVEL(l) do { if (threadIdx.x == 0) ot_level = (l); } while (0)
+#else
+#define OT_START
+#define OT(i) do {} while (0)
+#define OT_ADD(i, v) do {} while (0)
+#define OT_LEVEL(l) do {} while (0)
+#endif
+
 // Narrows the keys at(0 .. m) (as scan_keys; all equal above bit `shift`;
 // want <= m) to their top `want` by key64: FM_DIGIT_BITS-bit radix passes
 // append the certain keys to fin (shared memory, at *nfin) until the
@@ -216,7 +243,10 @@ __device__ __forceinline__ void narrow_topk(At keys, u32 m, u32 want, int shift,
     constexpr u64 DMASK = FM_DIGIT_BINS - 1;
     u64 prefix = 0, mask = 0;
     u32 group = m;
+    OT_START
+    OT_ADD(8, m);
     while (group > FM_GROUP_MAX && shift > 0) {
+        OT_ADD(7, 1);
         shift = shift >= FM_DIGIT_BITS ? shift - FM_DIGIT_BITS : 0;
         for (u32 i = threadIdx.x; i < FM_DIGIT_BINS; i += blockDim.x) s_hist[i] = 0;
         __syncthreads();
@@ -227,8 +257,10 @@ __device__ __forceinline__ void narrow_topk(At keys, u32 m, u32 want, int shift,
             if (valid && (k & mask) == prefix) atomicAdd(&s_hist[(u32)((k >> shift) & DMASK)], 1u);
         });
         __syncthreads();
+        OT(0);
         threshold_digit(s_hist, want, &s_digit, &s_above);
         __syncthreads();
+        OT(1);
         const u32 digit = s_digit;
         scan_keys(keys, m, [&](u64 k, bool valid) { push_key(fin, nfin, k, valid && (k & mask) == prefix && ((k >> shift) & DMASK) > digit); });
         want -= s_above;
@@ -236,6 +268,7 @@ __device__ __forceinline__ void narrow_topk(At keys, u32 m, u32 want, int shift,
         prefix |= (u64)digit << shift;
         mask |= DMASK << shift;
         __syncthreads();
+        OT(2);
     }
     // The boundary group (at most FM_GROUP_MAX keys: key64s are unique, so a
     // group with all 64 bits fixed has one key) into shared memory, ranked.
@@ -243,13 +276,16 @@ __device__ __forceinline__ void narrow_topk(At keys, u32 m, u32 want, int shift,
     __syncthreads();
     scan_keys(keys, m, [&](u64 k, bool valid) { push_key(s_group, &s_cnt, k, valid && (k & mask) == prefix); });
     __syncthreads();
+    OT(3);
     const u32 g = s_cnt;
+    OT_ADD(9, g);
     for (u32 i = threadIdx.x; i < g; i += blockDim.x) {
         const u64 k = s_group[i];
         const u32 r = count_greater(s_group, g, k);
         push_key(fin, nfin, k, r < want);
     }
     __syncthreads();
+    OT(4);
 }
 
 // Grid: (ceil(n / (FM_SEL_THREADS * FM_SEL_ITEMS)), sequences), FM_SEL_THREADS
@@ -389,13 +425,22 @@ __device__ void order_narrowed(const SelectSeq& S, u32 ns, u32 nt, u32 want, u64
         top_keys(merged(R), s_off[R], w, fin, &s_n);
     };
     // Level 0.
+#ifdef FM_OTRACE
+    if (threadIdx.x < 3 * OT_PHASES) ot_sum[threadIdx.x / OT_PHASES][threadIdx.x % OT_PHASES] = 0;
+#endif
+    OT_LEVEL(0);
+    __syncthreads();
+    OT_START
     const u32 x = blockIdx.x, lo = slice(x);
     if (threadIdx.x == 0) s_n = 0;
     merge(1, [&](u32) { return lo; }, [&](u32) { return slice(x + 1) - lo; });
     for (u32 i = threadIdx.x; i < s_n; i += blockDim.x) S.tie[lo + i] = fin[i];  // every read of the slice is done
     if (threadIdx.x == 0) st->cnt[x] = s_n;
     const u32 grp = x / FM_MERGE_FAN, b0 = grp * FM_MERGE_FAN, nb = min(G, b0 + FM_MERGE_FAN) - b0;
+    OT(5);
     if (!arrive_last(&st->garrived[grp], nb)) return;
+    OT(6);
+    OT_LEVEL(1);
     // Level 1: the group's lists, merged, written from its first slice's
     // start (they lie inside the group's slices, and so does their top w).
     if (threadIdx.x == 0) s_n = 0;
@@ -403,13 +448,27 @@ __device__ void order_narrowed(const SelectSeq& S, u32 ns, u32 nt, u32 want, u64
     for (u32 i = threadIdx.x; i < s_n; i += blockDim.x) S.tie[slice(b0) + i] = fin[i];
     if (threadIdx.x == 0) st->gcnt[grp] = s_n;
     const u32 groups = (G + FM_MERGE_FAN - 1) / FM_MERGE_FAN;
+    OT(5);
     if (!arrive_last(&st->arrived, groups)) return;
+    OT(6);
+    OT_LEVEL(2);
     // Level 2: the sure keys, then the top w of the groups' lists; ranked.
     for (u32 i = threadIdx.x; i < ns; i += blockDim.x) fin[i] = __ldcg(S.sure + i);
     if (threadIdx.x == 0) s_n = ns;
     merge(groups, [&](u32 r) { return slice(r * FM_MERGE_FAN); }, [&](u32 r) { return __ldcg(&st->gcnt[r]); });
     for (u32 i = threadIdx.x; i < want; i += blockDim.x)
         S.out[count_greater(fin, want, fin[i])] = (i32)(0xFFFFFFFFu - (u32)fin[i]);
+#ifdef FM_OTRACE
+    __syncthreads();
+    OT(5);
+    if (threadIdx.x == 0 && blockIdx.y == 0 && ot_calls++ % 64 == 3)
+        for (u32 l = 0; l < 3; ++l) {
+            const unsigned long long* t = ot_sum[l];
+            printf("FMOTRACE level %u (ns %u nt %u w %u): keys %llu passes %llu group %llu | cycles: hist %llu threshold %llu push %llu "
+                   "collect %llu rank %llu | level total %llu arrive %llu\n",
+                   l, ns, nt, w, t[8], t[7], t[9], t[0], t[1], t[2], t[3], t[4], t[5], t[6]);
+        }
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBatch B, const u32* err) {
