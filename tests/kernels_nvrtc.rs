@@ -36,6 +36,13 @@ fn every_kernel_compiles() {
                 .unwrap_or_else(|e| panic!("scorer wgmma {s}x{h}x{d}: {e}"));
         }
     }
+    // The development timelines (KVSWAP_FM_DEFINES: fm_score_wg_fp8's
+    // -DFM_TRACE, fm_order's merge tree -DFM_OTRACE) keep compiling.
+    let opts: Vec<String> = ["-DFM_SCORERS=3", "-DFM_HEADS=64", "-DFM_HEAD_DIM=128", "-DFM_WGMMA", "--gpu-architecture=sm_90a", "-DFM_TRACE", "-DFM_OTRACE"]
+        .iter()
+        .map(|o| o.to_string())
+        .collect();
+    nvrtc::compile_with("scorer.cu", kvswap::kernels::SCORER_CU, (9, 0), &opts).unwrap_or_else(|e| panic!("scorer with the timelines: {e}"));
 }
 
 #[test]
