@@ -2858,8 +2858,9 @@ static void test_fm_scoring(const char *ckpt) {
     CHECK(half_zero != NULL);
     for (size_t i = 0; i < hn; i++) half_zero[i] = i < info.hidden ? hidden[i] : 0.0f;
     const uint32_t nz = 40;
-    uint32_t m = 0, draws = 0;
-    for (; draws < 64 && (m == 0 || m >= nz); draws++) {
+    uint32_t m = 0, p = 0, draws = 0;
+    double zscore[40], zerr[40];
+    for (; draws < 64 && (p == 0 || p >= nz); draws++) {
         if (draws > 0)
             for (size_t i = 0; i < info.hidden; i++) half_zero[i] = fm_frand();
         HKeys kz = hkeys_random(FM_KEYS_BF16, nz, hd, 0, false);
@@ -2867,8 +2868,21 @@ static void test_fm_scoring(const char *ckpt) {
         fm_topk_ok(s, half_zero, hn, &kz, nz, out);
         CHECK_OK(fm_scorer_set_ensemble(s, KVSWAP_ENSEMBLE_MAX));
         fm_topk_ok(s, half_zero, hn, &kz, nz, out2);
+        for (uint32_t i = 0; i < nz; i++) {
+            CHECK(out[i] >= 0 && out[i] < (int32_t)nz);
+            CHECK(out2[i] >= 0 && out2[i] < (int32_t)nz);
+        }
+        /* p: the chunks with s_0 > 0 beyond the error bound (max(s_0, 0) is
+         * the max ensemble's score); the prefix m on which mean and max agree
+         * holds at least them. */
+        fm_reference(half_zero, &kz, KVSWAP_ENSEMBLE_MAX, zscore, zerr);
+        p = 0;
+        for (uint32_t c = 0; c < nz; c++) p += zscore[c] > zerr[c];
         m = 0;
         while (m < nz && out2[m] == out[m]) m++;
+        if (m < p)
+            FAIL("ensemble with scorer 1's input zero (draw %u): mean and max agree on %u entries, %u chunks have s_0 > 0", draws,
+                 m, p);
         /* out2[m..) must be the ids outside out[0..m), ascending. */
         bool is_pos[64] = {false};
         for (uint32_t i = 0; i < m; i++) is_pos[out[i]] = true;
@@ -2884,9 +2898,9 @@ static void test_fm_scoring(const char *ckpt) {
         }
         hkeys_free(&kz);
     }
-    if (m == 0 || m >= nz)
+    if (p == 0 || p >= nz)
         FAIL("ensemble relation: in %u draws, %u of %u chunks scored above 0 in the last: the check tests nothing", draws,
-             m, nz);
+             p, nz);
     group_done("fm_score_topk relations: equal keys -> 0..k-1; -1 padding; f32 keys holding bf16 (and fp8 x 2^e) "
                "values and strided rows give the same top-k; permuted rows permute the ids; 2 x hidden; the "
                "ensemble with one scorer's input zero (max vs mean)");

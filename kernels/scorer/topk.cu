@@ -206,7 +206,7 @@ __device__ __forceinline__ void scan_keys(At at, u32 m, F f) {
 // cycles per phase and level; the block that ranks the winners (it ran all
 // three levels) prints them for sequence 0 of every 64th crowded call.
 #ifdef FM_OTRACE
-#define OT_PHASES 10  // hist, threshold, push, collect, rank, write, arrive, passes, keys, group
+#define OT_PHASES 10  // hist, threshold, push, collect, rank, level total, arrive, passes, keys, group
 __shared__ unsigned long long ot_sum[3][OT_PHASES];
 __shared__ u32 ot_level;
 __device__ u32 ot_calls;
@@ -427,9 +427,9 @@ __device__ void order_narrowed(const SelectSeq& S, u32 ns, u32 nt, u32 want, u64
     // Level 0.
 #ifdef FM_OTRACE
     if (threadIdx.x < 3 * OT_PHASES) ot_sum[threadIdx.x / OT_PHASES][threadIdx.x % OT_PHASES] = 0;
-#endif
     OT_LEVEL(0);
     __syncthreads();
+#endif
     OT_START
     const u32 x = blockIdx.x, lo = slice(x);
     if (threadIdx.x == 0) s_n = 0;
