@@ -200,6 +200,45 @@ fn graph_replay_21_layers_matches_cpu() {
     }
 }
 
+/// A CUDA context with KVSWAP_VALIDATE on: one layer of 64 chunks of 256
+/// random bytes, all stored; returns it and the bytes.
+fn validating_context(rng: &mut Rng, slots: u32, sync: bool) -> (Context, Vec<u8>) {
+    let (cap, chunk) = (64u32, 256usize);
+    let gpu = Context::new(Config { validate: true, ..config(BackendChoice::Cuda, slots, sync) }, &[spec(cap, chunk as u32)]).unwrap();
+    let mut rows = vec![0u8; cap as usize * chunk];
+    rng.fill(&mut rows);
+    let ids: Vec<i32> = (0..cap as i32).collect();
+    gpu.store_rows(0, &ids, &rows).unwrap();
+    (gpu, rows)
+}
+
+/// A swap-in of `sel` (window 0) whose error, with sync = 0, comes from the
+/// `sync` after it (the call itself must succeed).
+fn swap_reporting(gpu: &Context, sel: &[i32], sync: bool) -> kvswap::Result<Vec<i32>> {
+    let mut a = sel.to_vec();
+    let r = gpu.swap_in(0, &mut a, 0);
+    if sync {
+        r.map(|_| a)
+    } else {
+        r.expect("with sync = 0 the call itself succeeds");
+        gpu.sync().map(|_| a)
+    }
+}
+
+/// Overwrites staged bytes of layer 0 on the device, behind kvswap's back:
+/// (slot, byte offset, new value) each.
+fn corrupt_staged(gpu: &Context, bytes: &[(u32, usize, u8)]) {
+    let view = gpu.staging(0).unwrap();
+    let dev = Device::open(0).unwrap();
+    let _g = dev.bind().unwrap();
+    let s = OwnedStream::new().unwrap();
+    for &(slot, at, v) in bytes {
+        let b = [v];
+        unsafe { driver::copy_htod_async(view.ptr + slot as u64 * view.stride + at as u64, b.as_ptr(), 1, s.0).unwrap() };
+        s.sync().unwrap(); // b lives on this iteration's stack
+    }
+}
+
 /// KVSWAP_VALIDATE on CUDA: a staged slot overwritten behind kvswap's back
 /// (the chunk stays resident, so the next swap-in is a hit and copies
 /// nothing) is reported as VALIDATION_FAILED naming the chunk: by the call
@@ -207,34 +246,15 @@ fn graph_replay_21_layers_matches_cpu() {
 /// error is reported once; swap-ins of intact slots report nothing.
 fn validate_reports_a_corrupted_slot(sync: bool) {
     let mut rng = Rng::fresh(if sync { "gpu validate sync" } else { "gpu validate async" });
-    let (cap, chunk, slots) = (64u32, 256usize, 8u32);
-    let gpu = Context::new(Config { validate: true, ..config(BackendChoice::Cuda, slots, sync) }, &[spec(cap, chunk as u32)]).unwrap();
-    let mut rows = vec![0u8; cap as usize * chunk];
-    rng.fill(&mut rows);
-    let ids: Vec<i32> = (0..cap as i32).collect();
-    gpu.store_rows(0, &ids, &rows).unwrap();
+    let chunk = 256usize;
+    let (gpu, rows) = validating_context(&mut rng, 8, sync);
     let victim = 5 + rng.below(50) as i32;
-    let swap = |sel: &[i32]| -> kvswap::Result<Vec<i32>> {
-        let mut a = sel.to_vec();
-        let r = gpu.swap_in(0, &mut a, 0);
-        if sync {
-            r.map(|_| a)
-        } else {
-            r.expect("with sync = 0 the call itself succeeds");
-            gpu.sync().map(|_| a)
-        }
-    };
+    let swap = |sel: &[i32]| swap_reporting(&gpu, sel, sync);
     let staged = swap(&[3, victim, 60]).unwrap();
     let slot = staged[1] as u32;
     assert_eq!(gpu.slot_bytes(0, slot).unwrap(), rows[victim as usize * chunk..][..chunk], "the victim's slot holds its bytes");
     // Overwrite one byte of the victim's slot on the device.
-    let view = gpu.staging(0).unwrap();
-    let dev = Device::open(0).unwrap();
-    let _g = dev.bind().unwrap();
-    let s = OwnedStream::new().unwrap();
-    let flipped = [rows[victim as usize * chunk + 77] ^ 0x40];
-    unsafe { driver::copy_htod_async(view.ptr + slot as u64 * view.stride + 77, flipped.as_ptr(), 1, s.0).unwrap() };
-    s.sync().unwrap();
+    corrupt_staged(&gpu, &[(slot, 77, rows[victim as usize * chunk + 77] ^ 0x40)]);
     let e = swap(&[3, victim, 60]).unwrap_err();
     assert_eq!(e.status, kvswap::KvswapStatus::ValidationFailed, "{e}");
     assert!(e.message.contains(&format!("chunk {victim} (position 1)")), "{e}");
@@ -246,12 +266,8 @@ fn validate_reports_a_corrupted_slot(sync: bool) {
 /// backend does (each position is checked by its own warp, in any order).
 fn validate_names_the_lowest_mismatch(sync: bool) {
     let mut rng = Rng::fresh(if sync { "gpu validate lowest sync" } else { "gpu validate lowest async" });
-    let (cap, chunk, slots) = (64u32, 256usize, 16u32);
-    let gpu = Context::new(Config { validate: true, ..config(BackendChoice::Cuda, slots, sync) }, &[spec(cap, chunk as u32)]).unwrap();
-    let mut rows = vec![0u8; cap as usize * chunk];
-    rng.fill(&mut rows);
-    let ids: Vec<i32> = (0..cap as i32).collect();
-    gpu.store_rows(0, &ids, &rows).unwrap();
+    let (cap, chunk) = (64u32, 256usize);
+    let (gpu, rows) = validating_context(&mut rng, 16, sync);
     let mut sel: Vec<i32> = Vec::new();
     while sel.len() < 12 {
         let id = rng.below(cap as u64) as i32;
@@ -259,29 +275,17 @@ fn validate_names_the_lowest_mismatch(sync: bool) {
             sel.push(id);
         }
     }
-    let swap = |sel: &[i32]| -> kvswap::Result<Vec<i32>> {
-        let mut a = sel.to_vec();
-        let r = gpu.swap_in(0, &mut a, 0);
-        if sync {
-            r.map(|_| a)
-        } else {
-            r.expect("with sync = 0 the call itself succeeds");
-            gpu.sync().map(|_| a)
-        }
-    };
+    let swap = |sel: &[i32]| swap_reporting(&gpu, sel, sync);
     let staged = swap(&sel).unwrap();
     // Corrupt the slots of positions first .. 12 (first drawn from 1 .. 8).
     let first = 1 + rng.below(8) as usize;
-    let view = gpu.staging(0).unwrap();
-    let dev = Device::open(0).unwrap();
-    let _g = dev.bind().unwrap();
-    let s = OwnedStream::new().unwrap();
-    for p in first..sel.len() {
-        let at = rng.below(chunk as u64) as usize;
-        let flipped = [rows[sel[p] as usize * chunk + at] ^ 0x01];
-        unsafe { driver::copy_htod_async(view.ptr + staged[p] as u64 * view.stride + at as u64, flipped.as_ptr(), 1, s.0).unwrap() };
-    }
-    s.sync().unwrap();
+    let flips: Vec<(u32, usize, u8)> = (first..sel.len())
+        .map(|p| {
+            let at = rng.below(chunk as u64) as usize;
+            (staged[p] as u32, at, rows[sel[p] as usize * chunk + at] ^ 0x01)
+        })
+        .collect();
+    corrupt_staged(&gpu, &flips);
     for round in 0..3 {
         let e = swap(&sel).unwrap_err();
         assert_eq!(e.status, kvswap::KvswapStatus::ValidationFailed, "{e}");

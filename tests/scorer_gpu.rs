@@ -536,11 +536,18 @@ fn narrowed_cluster(d: &Dev, cs: &CudaScorer, rng: &mut Rng, n: usize, flips: us
 
 /// A random checkpoint of the benchmark shape and its CUDA scorer (the exact
 /// cluster tests call it directly: score_with_qw, last_candidates).
-fn exact_setup(name: &str, sync: bool) -> (Rng, Dev, Arc<Checkpoint>, CudaScorer) {
+/// A fresh generator named `name`, the device and a random bf16 checkpoint
+/// of BENCH_SHAPE.
+fn bench_setup(name: &str) -> (Rng, Dev, Arc<Checkpoint>) {
     let mut rng = Rng::fresh(name);
     let d = Dev::new();
     let (s, h, dim, hid) = BENCH_SHAPE;
     let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
+    (rng, d, ckpt)
+}
+
+fn exact_setup(name: &str, sync: bool) -> (Rng, Dev, Arc<Checkpoint>, CudaScorer) {
+    let (rng, d, ckpt) = bench_setup(name);
     let cs = CudaScorer::new(&ckpt, 0, sync).unwrap();
     (rng, d, ckpt, cs)
 }
@@ -638,10 +645,7 @@ fn cuda_scorer_refuses_keys_not_16_byte_aligned() {
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn cuda_batch_equals_single_calls() {
-    let mut rng = Rng::fresh("scorer gpu batch");
-    let d = Dev::new();
-    let (s, h, dim, hid) = BENCH_SHAPE;
-    let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
+    let (mut rng, d, ckpt) = bench_setup("scorer gpu batch");
     let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
     for b in [1usize, 8, 64, 70] {
         let k = 128u32;
@@ -700,10 +704,8 @@ fn cuda_bounds_scorer_matches_reference() {
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn cuda_batch_errors_name_the_sequence_and_survive_growth() {
-    let mut rng = Rng::fresh("scorer gpu batch errors");
-    let d = Dev::new();
-    let (s, h, dim, hid) = BENCH_SHAPE;
-    let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
+    let (mut rng, d, ckpt) = bench_setup("scorer gpu batch errors");
+    let (s, _, dim, hid) = BENCH_SHAPE;
     let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
     let k = 64u32;
     let bad_at = 67usize; // odd: an fp8 sequence
@@ -780,10 +782,8 @@ fn cuda_scorer_refuses_unsupported_shapes() {
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn cuda_scorer_graph_replay_reports_nan_through_sync() {
-    let mut rng = Rng::fresh("scorer gpu graph nan");
-    let d = Dev::new();
-    let (s, h, dim, hid) = BENCH_SHAPE;
-    let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
+    let (mut rng, d, ckpt) = bench_setup("scorer gpu graph nan");
+    let (s, _, dim, hid) = BENCH_SHAPE;
     let scorer = Scorer::with_sync(ckpt.clone(), 0, false).unwrap();
     let k = 256u32;
     let mut hidden = random_hidden(&mut rng, s, hid);
