@@ -123,12 +123,12 @@ __device__ u32 threshold_bin(const u32* hist, u32 want, u32* above_out, u32* cou
 // count(> d) < want <= count(>= d), found by one warp (suffix sums over
 // lanes); the result is in *s_digit, *s_above after the caller's next
 // __syncthreads.
-#define FM_DIGIT_BITS 11
+#define FM_DIGIT_BITS 8
 #define FM_DIGIT_BINS (1u << FM_DIGIT_BITS)
 __device__ void threshold_digit(const u32* h, u32 want, u32* s_digit, u32* s_above) {
     if (threadIdx.x >= 32) return;
     constexpr u32 PER = FM_DIGIT_BINS / 32;
-    static_assert(PER == 64, "the second pass gives each lane two of the hit lane's bins");
+    static_assert(PER % 2 == 0 && PER <= 64, "the second pass gives lanes two of the hit lane's bins each");
     const u32 lane = threadIdx.x;
     const u32 hi = FM_DIGIT_BINS - PER * lane;  // lane l owns bins [hi - PER, hi), lane 0 the top ones
     u32 local = 0;
@@ -136,16 +136,17 @@ __device__ void threshold_digit(const u32* h, u32 want, u32* s_digit, u32* s_abo
     for (u32 b = hi - PER; b < hi; ++b) local += h[b];
     const u32 incl = warp_inclusive_sum(local);
     const u32 hit = __ballot_sync(KVS_FULL_MASK, incl - local < want && incl >= want);
-    // Within the hit lane's 64 bins, the whole warp: lane l takes bins
+    // Within the hit lane's PER bins, the first PER / 2 lanes: lane l takes bins
     // top - 2l and top - 2l - 1 (descending), a second suffix sum finds the
     // bin (instead of one lane walking 64 dependent loads).
     const u32 src = hit ? __ffs(hit) - 1 : 0u;  // no hit (want 0 or above the total): in bounds, and nothing is written
     const u32 acc = __shfl_sync(KVS_FULL_MASK, incl - local, src);
     const u32 top = FM_DIGIT_BINS - PER * src - 1;
-    const u32 ca = h[top - 2 * lane], cb = h[top - 2 * lane - 1];
+    const bool mine = 2 * lane < PER;  // lanes past the hit lane's bins add 0
+    const u32 ca = mine ? h[top - 2 * lane] : 0u, cb = mine ? h[top - 2 * lane - 1] : 0u;
     const u32 incl2 = warp_inclusive_sum(ca + cb);
     const u32 before = acc + incl2 - (ca + cb);
-    if (before < want && before + ca + cb >= want) {
+    if (mine && before < want && before + ca + cb >= want) {
         const bool upper = before + ca >= want;
         *s_digit = top - 2 * lane - (upper ? 0u : 1u);
         *s_above = upper ? before : before + ca;
