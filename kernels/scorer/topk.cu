@@ -457,8 +457,29 @@ __device__ void order_narrowed(const SelectSeq& S, u32 ns, u32 nt, u32 want, u64
     for (u32 i = threadIdx.x; i < ns; i += blockDim.x) fin[i] = __ldcg(S.sure + i);
     if (threadIdx.x == 0) s_n = ns;
     merge(groups, [&](u32 r) { return slice(r * FM_MERGE_FAN); }, [&](u32 r) { return __ldcg(&st->gcnt[r]); });
-    for (u32 i = threadIdx.x; i < want; i += blockDim.x)
-        S.out[count_greater(fin, want, fin[i])] = (i32)(0xFFFFFFFFu - (u32)fin[i]);
+    // The winners in order: a bitonic sort of fin[0 .. P) (descending; P the
+    // power of two >= want, padded with 0, below every key: the low word of a
+    // key is ~id > 0), log2(P) (log2(P) + 1) / 2 steps of one compare-exchange
+    // per pair, instead of ranking each winner by counting (want^2 shared loads).
+    u32 P = 1;
+    while (P < want) P <<= 1;
+    for (u32 i = want + threadIdx.x; i < P; i += blockDim.x) fin[i] = 0;
+    __syncthreads();
+    for (u32 k = 2; k <= P; k <<= 1)
+        for (u32 j = k >> 1; j > 0; j >>= 1) {
+            for (u32 i = threadIdx.x; i < P; i += blockDim.x) {
+                const u32 l = i ^ j;
+                if (l > i) {
+                    const u64 a = fin[i], b = fin[l];
+                    if ((a < b) == ((i & k) == 0)) {  // descending where (i & k) == 0
+                        fin[i] = b;
+                        fin[l] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    for (u32 i = threadIdx.x; i < want; i += blockDim.x) S.out[i] = (i32)(0xFFFFFFFFu - (u32)fin[i]);
 #ifdef FM_OTRACE
     __syncthreads();
     OT(5);
