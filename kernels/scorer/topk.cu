@@ -131,9 +131,13 @@ __device__ void threshold_digit(const u32* h, u32 want, u32* s_digit, u32* s_abo
     static_assert(PER % 2 == 0 && PER <= 64, "the second pass gives lanes two of the hit lane's bins each");
     const u32 lane = threadIdx.x;
     const u32 hi = FM_DIGIT_BINS - PER * lane;  // lane l owns bins [hi - PER, hi), lane 0 the top ones
+    // The lanes whose ranges start in the same shared-memory bank (all of
+    // them when PER >= 32) start at different bins of their range: the same
+    // bin of each would be a 32-way bank conflict on every load.
+    constexpr u32 SAME_BANK = PER >= 32 ? 1u : 32u / PER;  // lanes apart whose ranges share a bank
     u32 local = 0;
 #pragma unroll 8
-    for (u32 b = hi - PER; b < hi; ++b) local += h[b];
+    for (u32 j = 0; j < PER; ++j) local += h[hi - PER + ((j + lane / SAME_BANK) & (PER - 1u))];
     const u32 incl = warp_inclusive_sum(local);
     const u32 hit = __ballot_sync(KVS_FULL_MASK, incl - local < want && incl >= want);
     // Within the hit lane's PER bins, the first PER / 2 lanes: lane l takes bins
