@@ -198,8 +198,10 @@ __device__ __forceinline__ void scan_keys(At at, u32 m, F f) {
         u64 k[FM_SCAN_UNROLL];
 #pragma unroll
         for (u32 u = 0; u < FM_SCAN_UNROLL; ++u) {
+            // Past m, key m - 1 again (valid is false there): no branch
+            // around the loads, so all of them can be in flight at once.
             const u32 i = base + u * blockDim.x + threadIdx.x;
-            k[u] = i < m ? at(i) : 0ull;
+            k[u] = at(i < m ? i : m - 1);
         }
 #pragma unroll
         for (u32 u = 0; u < FM_SCAN_UNROLL; ++u) f(k[u], base + u * blockDim.x + threadIdx.x < m);
