@@ -123,29 +123,34 @@ __device__ u32 threshold_bin(const u32* hist, u32 want, u32* above_out, u32* cou
 // count(> d) < want <= count(>= d), found by one warp (suffix sums over
 // lanes); the result is in *s_digit, *s_above after the caller's next
 // __syncthreads.
-#define FM_DIGIT_BITS 11
+#define FM_DIGIT_BITS 8
 #define FM_DIGIT_BINS (1u << FM_DIGIT_BITS)
 __device__ void threshold_digit(const u32* h, u32 want, u32* s_digit, u32* s_above) {
     if (threadIdx.x >= 32) return;
     constexpr u32 PER = FM_DIGIT_BINS / 32;
-    static_assert(PER == 64, "the second pass gives each lane two of the hit lane's bins");
+    static_assert(PER % 2 == 0 && PER <= 64, "the second pass gives lanes two of the hit lane's bins each");
     const u32 lane = threadIdx.x;
     const u32 hi = FM_DIGIT_BINS - PER * lane;  // lane l owns bins [hi - PER, hi), lane 0 the top ones
+    // The lanes whose ranges start in the same shared-memory bank (all of
+    // them when PER >= 32) start at different bins of their range: the same
+    // bin of each would be a 32-way bank conflict on every load.
+    constexpr u32 SAME_BANK = PER >= 32 ? 1u : 32u / PER;  // lanes apart whose ranges share a bank
     u32 local = 0;
 #pragma unroll 8
-    for (u32 b = hi - PER; b < hi; ++b) local += h[b];
+    for (u32 j = 0; j < PER; ++j) local += h[hi - PER + ((j + lane / SAME_BANK) & (PER - 1u))];
     const u32 incl = warp_inclusive_sum(local);
     const u32 hit = __ballot_sync(KVS_FULL_MASK, incl - local < want && incl >= want);
-    // Within the hit lane's 64 bins, the whole warp: lane l takes bins
+    // Within the hit lane's PER bins, the first PER / 2 lanes: lane l takes bins
     // top - 2l and top - 2l - 1 (descending), a second suffix sum finds the
     // bin (instead of one lane walking 64 dependent loads).
     const u32 src = hit ? __ffs(hit) - 1 : 0u;  // no hit (want 0 or above the total): in bounds, and nothing is written
     const u32 acc = __shfl_sync(KVS_FULL_MASK, incl - local, src);
     const u32 top = FM_DIGIT_BINS - PER * src - 1;
-    const u32 ca = h[top - 2 * lane], cb = h[top - 2 * lane - 1];
+    const bool mine = 2 * lane < PER;  // lanes past the hit lane's bins add 0
+    const u32 ca = mine ? h[top - 2 * lane] : 0u, cb = mine ? h[top - 2 * lane - 1] : 0u;
     const u32 incl2 = warp_inclusive_sum(ca + cb);
     const u32 before = acc + incl2 - (ca + cb);
-    if (before < want && before + ca + cb >= want) {
+    if (mine && before < want && before + ca + cb >= want) {
         const bool upper = before + ca >= want;
         *s_digit = top - 2 * lane - (upper ? 0u : 1u);
         *s_above = upper ? before : before + ca;
@@ -193,8 +198,10 @@ __device__ __forceinline__ void scan_keys(At at, u32 m, F f) {
         u64 k[FM_SCAN_UNROLL];
 #pragma unroll
         for (u32 u = 0; u < FM_SCAN_UNROLL; ++u) {
+            // Past m, key m - 1 again (valid is false there): no branch
+            // around the loads, so all of them can be in flight at once.
             const u32 i = base + u * blockDim.x + threadIdx.x;
-            k[u] = i < m ? at(i) : 0ull;
+            k[u] = at(i < m ? i : m - 1);
         }
 #pragma unroll
         for (u32 u = 0; u < FM_SCAN_UNROLL; ++u) f(k[u], base + u * blockDim.x + threadIdx.x < m);
@@ -456,8 +463,29 @@ __device__ void order_narrowed(const SelectSeq& S, u32 ns, u32 nt, u32 want, u64
     for (u32 i = threadIdx.x; i < ns; i += blockDim.x) fin[i] = __ldcg(S.sure + i);
     if (threadIdx.x == 0) s_n = ns;
     merge(groups, [&](u32 r) { return slice(r * FM_MERGE_FAN); }, [&](u32 r) { return __ldcg(&st->gcnt[r]); });
-    for (u32 i = threadIdx.x; i < want; i += blockDim.x)
-        S.out[count_greater(fin, want, fin[i])] = (i32)(0xFFFFFFFFu - (u32)fin[i]);
+    // The winners in order: a bitonic sort of fin[0 .. P) (descending; P the
+    // power of two >= want, padded with 0, below every key: the low word of a
+    // key is ~id > 0), log2(P) (log2(P) + 1) / 2 steps of one compare-exchange
+    // per pair, instead of ranking each winner by counting (want^2 shared loads).
+    u32 P = 1;
+    while (P < want) P <<= 1;
+    for (u32 i = want + threadIdx.x; i < P; i += blockDim.x) fin[i] = 0;
+    __syncthreads();
+    for (u32 k = 2; k <= P; k <<= 1)
+        for (u32 j = k >> 1; j > 0; j >>= 1) {
+            for (u32 i = threadIdx.x; i < P; i += blockDim.x) {
+                const u32 l = i ^ j;
+                if (l > i) {
+                    const u64 a = fin[i], b = fin[l];
+                    if ((a < b) == ((i & k) == 0)) {  // descending where (i & k) == 0
+                        fin[i] = b;
+                        fin[l] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    for (u32 i = threadIdx.x; i < want; i += blockDim.x) S.out[i] = (i32)(0xFFFFFFFFu - (u32)fin[i]);
 #ifdef FM_OTRACE
     __syncthreads();
     OT(5);
