@@ -390,6 +390,16 @@ fn bad_checkpoints_are_named() {
     cases.push(("truncated", full[..full.len() - 10].to_vec(), bad, vec!["not a valid safetensors file", "truncated"]));
     cases.push(("garbage", b"hello, I am not a checkpoint".to_vec(), bad, vec!["not a valid safetensors file"]));
     cases.push(("empty", Vec::new(), bad, vec!["not a valid safetensors file"]));
+    // Another format's first bytes: refused from the length field.
+    let mut gguf = b"GGUF\x03\0\0\0".to_vec();
+    gguf.extend([0u8; 64]);
+    cases.push(("gguf", gguf, bad, vec!["not a valid safetensors file", "header length field", "limit"]));
+    let mut not_json = 5u64.to_le_bytes().to_vec();
+    not_json.extend(b"hello");
+    cases.push(("not-json", not_json, bad, vec!["not a valid safetensors file", "header is not JSON"]));
+    let mut trailing = full.clone();
+    trailing.extend([0u8; 16]);
+    cases.push(("trailing", trailing, bad, vec!["not a valid safetensors file", "its header describes"]));
 
     for (name, bytes, status, words) in cases {
         let path = dir.join(format!("{name}.safetensors"));
@@ -401,6 +411,17 @@ fn bad_checkpoints_are_named() {
             assert!(msg.contains(w), "{name}: {w:?} not in {msg:?}");
         }
     }
+
+    // A file far larger than its header describes (sparse: no disk used) is
+    // refused from the header, before anything is read or allocated for it
+    // (it once was read whole: a process abort when the allocation failed).
+    let path = dir.join("huge.safetensors");
+    std::fs::write(&path, &full).unwrap();
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(full.len() as u64 + (64u64 << 30)).unwrap();
+    let (s, msg) = load(&path, -1).err().expect("huge: loaded");
+    assert_eq!(s, bad, "{msg}");
+    assert!(msg.contains(&format!("header describes {} bytes", full.len())), "{msg}");
+    std::fs::remove_file(&path).unwrap();
 
     // Extra tensors outside `scorers.` are ignored; the good file loads.
     let mut t = good.tensors();
@@ -647,6 +668,10 @@ fn argument_errors() {
     let mut bad = fk;
     bad.row_stride_bytes = 12;
     check(fm.topk(&hidden, &bad, 16, 4), KvswapStatus::InvalidArgument, "row_stride_bytes = 12");
+    // Rows spanning more than an object can (isize::MAX bytes): refused, not
+    // sliced (a slice that large is undefined behaviour).
+    bad.row_stride_bytes = 1 << 63;
+    check(fm.topk(&hidden, &bad, 2, 1), KvswapStatus::InvalidArgument, "overflow the address space");
     let mut bad = fk;
     bad.row_stride_bytes = 18;
     check(fm.topk(&hidden, &bad, 4, 4), KvswapStatus::InvalidArgument, "multiple of 4");
@@ -898,6 +923,36 @@ fn bounds_from_bf16_and_fp8_keys() {
     assert_eq!(s, KvswapStatus::InvalidArgument);
     let s = fm_bounds_build(&f32_keys(&bad), n_tokens, dim as u32, chunk, null_mut(), hi.as_mut_ptr());
     assert_eq!(s, KvswapStatus::NullPointer);
+
+    // fp8 x scale beyond f32 (448 x 1e37): no finite f32 bound holds it.
+    let (mut lo2, mut hi2) = ([0f32; 2], [0f32; 2]);
+    let s = fm_bounds_build(&fp8_keys(&[0x7e, 0xfe], &[1e37]), 1, 2, 1, lo2.as_mut_ptr(), hi2.as_mut_ptr());
+    assert_eq!(s, KvswapStatus::InvalidArgument, "{}", last_error());
+    assert!(last_error().contains("token 0 element 0") && last_error().contains("outside the f32 range"), "{}", last_error());
+    assert_eq!((lo2, hi2), ([0f32; 2], [0f32; 2]), "outputs written on failure");
+    // More chunks than FM_MAX_CHUNKS: refused from the sizes, before any
+    // key (only n_tokens rows' worth of address space is checked) is read.
+    let s = fm_bounds_build(&f32_keys(&k16_f32), (1 << 22) + 1, 1, 1, lo.as_mut_ptr(), hi.as_mut_ptr());
+    assert_eq!(s, KvswapStatus::OutOfRange, "{}", last_error());
+    assert!(last_error().contains("n_chunks = 4194305"), "{}", last_error());
+    // The two outputs overlapping (here the same buffer).
+    let s = fm_bounds_build(&f32_keys(&k16_f32), n_tokens, dim as u32, chunk, lo.as_mut_ptr(), lo.as_mut_ptr());
+    assert_eq!(s, KvswapStatus::InvalidArgument);
+    assert!(last_error().contains("overlap"), "{}", last_error());
+    let s = fm_bounds_build(&f32_keys(&k16_f32), n_tokens, dim as u32, chunk, lo.as_mut_ptr(), lo[dim..].as_mut_ptr());
+    assert_eq!(s, KvswapStatus::InvalidArgument);
+    assert!(lo.iter().chain(&hi).all(|&v| v == 0.0), "outputs written on failure");
+}
+
+/// fm_bounds_sync on a device checks the device and the stream even before
+/// any asynchronous bounds call: never OK for the legacy stream (without a
+/// CUDA driver: NO_DEVICE, as fm_bounds_topk says).
+#[test]
+fn bounds_sync_checks_its_arguments() {
+    let s = fm_bounds_sync(0, null_mut());
+    assert!(matches!(s, KvswapStatus::NoDevice | KvswapStatus::InvalidArgument), "{s:?}: {}", last_error());
+    assert_eq!(fm_bounds_sync(-2, null_mut()), KvswapStatus::InvalidArgument);
+    assert_eq!(fm_bounds_sync(-1, null_mut()), KvswapStatus::Ok);
 }
 
 #[test]

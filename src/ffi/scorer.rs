@@ -125,8 +125,17 @@ fn path_arg(path: *const c_char) -> Result<PathBuf> {
 /// Errors: `KVSWAP_STATUS_IO` for a missing or unreadable file;
 /// `KVSWAP_STATUS_BAD_CHECKPOINT` for a wrong format tag, a missing or
 /// malformed metadata field, a missing or mis-shaped tensor, an unsupported
-/// dtype (F32, F16 and BF16 are accepted) or a NaN/Inf weight, the message
-/// naming the field or tensor, what was expected and what was found.
+/// dtype (F32, F16 and BF16 are accepted), a NaN/Inf weight, or a file
+/// whose size is not what its header describes (refused from the header,
+/// before the data is read), the message naming the field or tensor, what
+/// was expected and what was found; `KVSWAP_STATUS_NULL_POINTER` for a NULL
+/// `path` or `out`; `KVSWAP_STATUS_INVALID_ARGUMENT` for an empty path,
+/// `device < -1`, a misaligned `out` or (CUDA) a bad `KVSWAP_SYNC`;
+/// `KVSWAP_STATUS_NO_DEVICE` for `device >= 0` without that CUDA device or
+/// driver (or in a build without CUDA); `KVSWAP_STATUS_UNSUPPORTED` for a
+/// shape the CUDA kernels do not cover; `KVSWAP_STATUS_OUT_OF_MEMORY` when
+/// the host cannot hold the file or the device its weights;
+/// `KVSWAP_STATUS_DEVICE_ERROR` when NVRTC or the driver fails.
 #[no_mangle]
 pub extern "C" fn fm_scorer_load(path: *const c_char, device: i32, out: *mut *mut FmScorer) -> KvswapStatus {
     boundary("fm_scorer_load", || {
@@ -151,6 +160,8 @@ pub extern "C" fn fm_scorer_free(scorer: *mut FmScorer) {
 }
 
 /// Writes the shape and settings of a loaded scorer to `*out`.
+/// Errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `scorer` or `out`),
+/// `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `out`).
 #[no_mangle]
 pub extern "C" fn fm_scorer_info(scorer: *const FmScorer, out: *mut FmScorerInfo) -> KvswapStatus {
     boundary("fm_scorer_info", || {
@@ -180,6 +191,10 @@ pub extern "C" fn fm_scorer_info(scorer: *const FmScorer, out: *mut FmScorerInfo
 /// a CUDA graph's replay). On the CPU backend errors are returned at once and
 /// this returns KVSWAP_STATUS_OK. A stream being captured is refused
 /// (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the capture.
+/// Errors besides the recorded one: `KVSWAP_STATUS_NULL_POINTER` (NULL
+/// `scorer`); on CUDA `KVSWAP_STATUS_INVALID_ARGUMENT` for the NULL (legacy)
+/// stream, `KVSWAP_STATUS_WRONG_DEVICE` for a stream of another device,
+/// `KVSWAP_STATUS_DEVICE_ERROR` when the wait fails.
 #[no_mangle]
 pub extern "C" fn fm_scorer_sync(scorer: *const FmScorer, stream: KvswapStream) -> KvswapStatus {
     boundary("fm_scorer_sync", || scorer_ref(scorer)?.sync(stream as u64))
@@ -187,6 +202,8 @@ pub extern "C" fn fm_scorer_sync(scorer: *const FmScorer, stream: KvswapStream) 
 
 /// Overrides the checkpoint's ensemble: `KVSWAP_ENSEMBLE_MAX` or
 /// `KVSWAP_ENSEMBLE_MEAN`. Applies to calls that start after it returns.
+/// Errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `scorer`),
+/// `KVSWAP_STATUS_INVALID_ARGUMENT` (any other value).
 #[no_mangle]
 pub extern "C" fn fm_scorer_set_ensemble(scorer: *mut FmScorer, ensemble: KvswapEnsemble) -> KvswapStatus {
     boundary("fm_scorer_set_ensemble", || {
@@ -250,6 +267,23 @@ pub extern "C" fn fm_scorer_set_ensemble(scorer: *mut FmScorer, ensemble: Kvswap
 /// at 262,144 chunks and k = 512 that path added 43-49 us to the 36.9 us of
 /// a scoring pass with q and w given (`kvswap bench --backend cuda
 /// --scorer`, its "scores" table).
+///
+/// Errors (nothing is written unless said otherwise):
+/// - `KVSWAP_STATUS_NULL_POINTER`: `scorer`, `hidden`, `keys`, its `data`,
+///   the scales of fp8 keys or `out_indices` NULL;
+/// - `KVSWAP_STATUS_INVALID_ARGUMENT`: a zero size (above), a misaligned
+///   pointer, an unknown key dtype or a bad `row_stride_bytes`, a NaN/Inf
+///   value (above); on CUDA also host memory where device memory is
+///   expected, the NULL (legacy) stream, `KVSWAP_SYNC=1` on a stream being
+///   captured, a workspace that would have to grow during a capture, and a
+///   score that overflows f32 (the CPU's f64 reference does not);
+/// - `KVSWAP_STATUS_OUT_OF_RANGE`: a size above its limit (above); on CUDA a
+///   buffer that runs past the end of its allocation;
+/// - `KVSWAP_STATUS_WRONG_DEVICE` (CUDA): a pointer or stream of another
+///   device;
+/// - `KVSWAP_STATUS_OUT_OF_MEMORY` (CUDA): the stream's workspace;
+/// - `KVSWAP_STATUS_DEVICE_ERROR` (CUDA): a failed launch or wait; the
+///   output is then unspecified.
 #[no_mangle]
 pub extern "C" fn fm_score_topk(
     scorer: *const FmScorer,
@@ -277,7 +311,8 @@ pub extern "C" fn fm_score_topk(
 /// (4096).
 /// Every sequence is checked before any is scored, and on failure no
 /// `out_indices` is written; the message names the sequence (`seqs[i]`).
-/// The `out_indices` of different sequences must not overlap.
+/// The `out_indices` of different sequences must not overlap each other
+/// (on CUDA, nor any sequence's hidden state or keys); this is not checked.
 /// On the CUDA backend NaN/Inf values are found on the device instead: a
 /// call runs in launch groups (up to 64 sequences of one key dtype; f32,
 /// then bf16, then fp8 keys, each in call order), and the outputs of the
@@ -287,6 +322,12 @@ pub extern "C" fn fm_score_topk(
 /// The weights are read once for the whole batch (on CUDA the projections
 /// of all sequences are one matrix product), so a batch is cheaper than
 /// `n_seqs` single calls. `seqs` itself is host memory on every backend.
+/// Errors: those of `fm_score_topk`, per sequence, plus
+/// `KVSWAP_STATUS_NULL_POINTER` (NULL `seqs`) and for `n_seqs` 0
+/// (`KVSWAP_STATUS_INVALID_ARGUMENT`) or above FM_MAX_SEQS
+/// (`KVSWAP_STATUS_OUT_OF_RANGE`). `KVSWAP_STATUS_DEVICE_ERROR` (a failed
+/// launch, CUDA) can come after earlier launch groups were queued: their
+/// sequences' outputs are then written, the others' unspecified.
 #[no_mangle]
 pub extern "C" fn fm_score_topk_batch(
     scorer: *const FmScorer,
@@ -331,7 +372,13 @@ pub extern "C" fn fm_score_topk_batch(
 /// top-k as -1 and `fm_bounds_sync` returns the error). On CUDA each stream
 /// gets a workspace (about 12 bytes per chunk of its largest call) for the
 /// life of the process; it is allocated or grown by a call, not while the
-/// stream is captured: warm up with the largest `n_chunks` first.
+/// stream is captured: warm up with the largest `n_chunks` first. On CUDA
+/// each call reads `KVSWAP_SYNC` from the environment.
+/// Errors: as `fm_score_topk` (NULL pointers, sizes, values, and on CUDA
+/// memory, streams, capture and devices), plus `KVSWAP_STATUS_INVALID_ARGUMENT`
+/// for `device < -1`, a `dim` outside its range or (CUDA) a bad
+/// `KVSWAP_SYNC`, and `KVSWAP_STATUS_NO_DEVICE` for a CUDA ordinal without
+/// that device or driver (or in a build without CUDA).
 #[no_mangle]
 pub extern "C" fn fm_bounds_topk(
     device: i32,
@@ -365,7 +412,12 @@ pub extern "C" fn fm_bounds_topk(
 /// later calls on that stream also write -1). `device` -1 (the CPU, which
 /// reports errors at once) returns KVSWAP_STATUS_OK. A stream being captured
 /// is refused (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the
-/// capture.
+/// capture. Before any such call the device and the stream are still
+/// checked and the stream waited for. Errors besides the recorded one:
+/// `KVSWAP_STATUS_INVALID_ARGUMENT` for `device < -1` or (CUDA) the NULL
+/// (legacy) stream, `KVSWAP_STATUS_NO_DEVICE` for a CUDA ordinal without
+/// that device or driver, `KVSWAP_STATUS_WRONG_DEVICE` for a stream of
+/// another device, `KVSWAP_STATUS_DEVICE_ERROR` when the wait fails.
 #[no_mangle]
 pub extern "C" fn fm_bounds_sync(device: i32, stream: KvswapStream) -> KvswapStatus {
     boundary("fm_bounds_sync", || {
@@ -381,7 +433,15 @@ pub extern "C" fn fm_bounds_sync(device: i32, stream: KvswapStream) -> KvswapSta
 /// shorter). Writes the element-wise minimum to `out_min` and maximum to
 /// `out_max`, each `ceil(n_tokens / chunk_tokens) x dim` f32. f32 and bf16
 /// keys give exact bounds; fp8 x scale is rounded outwards to f32. NaN/Inf
-/// keys are `KVSWAP_STATUS_INVALID_ARGUMENT` naming the token and element.
+/// keys, and fp8 x scale products beyond the f32 range, are
+/// `KVSWAP_STATUS_INVALID_ARGUMENT` naming the token and element. Other
+/// errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `keys`, its data or fp8
+/// scales, `out_min`, `out_max`); `KVSWAP_STATUS_INVALID_ARGUMENT` for
+/// `n_tokens` or `chunk_tokens` 0, `dim` outside 1..=FM_MAX_BOUNDS_DIM, a
+/// misaligned pointer, a bad dtype or stride, or outputs that overlap;
+/// `KVSWAP_STATUS_OUT_OF_RANGE` for more than FM_MAX_CHUNKS chunks;
+/// `KVSWAP_STATUS_OUT_OF_MEMORY` when the host cannot hold the bounds.
+/// Nothing is written on failure.
 #[no_mangle]
 pub extern "C" fn fm_bounds_build(
     keys: *const FmKeys,
@@ -402,8 +462,17 @@ pub extern "C" fn fm_bounds_build(
             return Err(Error::invalid(format!("n_tokens = {n_tokens}, chunk_tokens = {chunk_tokens}: both must be >= 1")));
         }
         args::check_keys(&k, dim as usize, n_tokens, "")?;
-        args::check_ptr(out_min as u64, 4, "out_min")?;
-        args::check_ptr(out_max as u64, 4, "out_max")?;
+        let chunks = scorer::bounds::n_chunks(n_tokens, chunk_tokens as usize);
+        args::check_n_chunks(chunks).map_err(|e| Error::new(e.status, format!("{} (n_tokens / chunk_tokens, rounded up)", e.message)))?;
+        // The two outputs must not overlap (chunks * dim * 4 bytes each; at
+        // most 2^22 * 2^16 * 4 = 2^40, far below a 64-bit address space).
+        let bytes = (chunks * dim as usize * 4) as u64;
+        let (a, b) = (out_min as u64, out_max as u64);
+        if a < b + bytes && b < a + bytes {
+            return Err(Error::invalid(format!(
+                "out_min ({a:#x}) and out_max ({b:#x}) overlap: each holds {chunks} x {dim} f32 ({bytes} bytes)"
+            )));
+        }
         let (min, max) = {
             // SAFETY: checked above; the engine promises `n_tokens` readable
             // key rows (and scales) in host memory.

@@ -77,6 +77,7 @@ pub fn key_bytes(stride: usize, dtype: KeyDtype, dim: usize, n_rows: usize) -> R
     n_rows
         .checked_sub(1)
         .map_or(Some(0), |last| last.checked_mul(stride).and_then(|b| b.checked_add(dim * dtype.size())))
+        .filter(|&b| b <= isize::MAX as usize) // the largest object an address space holds
         .ok_or_else(|| Error::invalid(format!("keys: {n_rows} rows of stride {stride} overflow the address space")))
 }
 

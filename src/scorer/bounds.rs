@@ -12,7 +12,7 @@ use super::args;
 use super::dtype::{f32_at_least, f32_at_most};
 use super::keys::Keys;
 use super::topk::topk;
-use crate::error::{Error, Result};
+use crate::error::{Error, KvswapStatus, Result};
 
 /// Largest `dim` of a bounds call.
 pub const FM_MAX_BOUNDS_DIM: usize = 65536;
@@ -82,7 +82,8 @@ pub fn n_chunks(n_tokens: usize, chunk_tokens: usize) -> usize {
 /// covers tokens `c*chunk_tokens ..` up to `chunk_tokens` of them): returns
 /// `(min, max)`, each `n_chunks x dim`. Values are exact for f32 and bf16
 /// keys; for fp8 keys the f64 product with the scale is rounded down for
-/// the minimum and up for the maximum, so the bounds always hold every key.
+/// the minimum and up for the maximum, so the bounds always hold every key
+/// (a product outside the f32 range is an error naming its token).
 pub fn build(keys: &Keys, chunk_tokens: usize) -> Result<(Vec<f32>, Vec<f32>)> {
     let dim = keys.dim();
     check_dim(dim)?;
@@ -93,13 +94,30 @@ pub fn build(keys: &Keys, chunk_tokens: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         return Err(Error::invalid("n_tokens is 0"));
     }
     let chunks = n_chunks(keys.n_rows(), chunk_tokens);
-    let (mut min, mut max) = (Vec::with_capacity(chunks * dim), Vec::with_capacity(chunks * dim));
+    let reserve = |v: &mut Vec<f32>| {
+        v.try_reserve_exact(chunks * dim).map_err(|_| {
+            Error::new(KvswapStatus::OutOfMemory, format!("bounds of {chunks} chunks x {dim}: cannot allocate {} bytes", chunks * dim * 4))
+        })
+    };
+    let (mut min, mut max) = (Vec::new(), Vec::new());
+    reserve(&mut min)?;
+    reserve(&mut max)?;
     let mut row = vec![0f64; dim];
+    let (mut lo, mut hi) = (vec![0f64; dim], vec![0f64; dim]);
     for c in 0..chunks {
-        let (mut lo, mut hi) = (vec![f64::INFINITY; dim], vec![f64::NEG_INFINITY; dim]);
+        lo.fill(f64::INFINITY);
+        hi.fill(f64::NEG_INFINITY);
         for t in c * chunk_tokens..((c + 1) * chunk_tokens).min(keys.n_rows()) {
             keys.row_into(t, &mut row)?;
             for d in 0..dim {
+                // fp8 x scale can pass f32's range (448 x 1e37): no finite
+                // f32 bound would hold it.
+                if row[d].abs() > f32::MAX as f64 {
+                    return Err(Error::invalid(format!(
+                        "keys token {t} element {d}: key x scale = {:e} is outside the f32 range of the bounds",
+                        row[d]
+                    )));
+                }
                 lo[d] = lo[d].min(row[d]);
                 hi[d] = hi[d].max(row[d]);
             }

@@ -182,13 +182,19 @@ impl Checkpoint {
             return Err(Error::new(KvswapStatus::Io, format!("cannot read checkpoint {}: not a regular file", path.display())));
         }
         let len = meta.len();
-        // The header first: a file of another format is refused before its
-        // data (possibly gigabytes) is read.
-        if let Some(header) = read_header(&mut file, len).map_err(io)? {
-            check_format_tag(&header).map_err(named)?;
-        }
+        // The header first: a file of another format, or one whose size is
+        // not what its header describes, is refused before its data
+        // (possibly gigabytes) is read or memory is reserved for it.
+        check_header(&mut file, len).map_err(|e| match e {
+            HeaderError::Io(e) => io(e),
+            HeaderError::Bad(e) => named(e),
+        })?;
         file.seek(SeekFrom::Start(0)).map_err(io)?;
-        let mut image = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
+        let mut image = Vec::new();
+        let size = usize::try_from(len).map_err(|_| named(bad(format!("{len} bytes do not fit this machine's address space"))))?;
+        image.try_reserve_exact(size).map_err(|_| {
+            Error::new(KvswapStatus::OutOfMemory, format!("checkpoint {}: cannot allocate {len} bytes to read it", path.display()))
+        })?;
         file.read_to_end(&mut image).map_err(io)?;
         Checkpoint::from_bytes(image).map_err(named)
     }
@@ -266,32 +272,59 @@ impl Checkpoint {
     }
 }
 
-/// The JSON header of a safetensors file of `len` bytes, when its length
-/// field is plausible (else None: `from_bytes` explains what is wrong).
-fn read_header(file: &mut std::fs::File, len: u64) -> std::io::Result<Option<Vec<u8>>> {
+enum HeaderError {
+    Io(std::io::Error),
+    Bad(Error),
+}
+
+/// Checks the file of `len` bytes from its first 8 + n bytes (n: the
+/// header's length field) as `from_bytes` would check the whole of it: a
+/// plausible header length, a JSON header with the `flashmemory-v1` format
+/// tag, and tensors whose data ends exactly at the end of the file.
+fn check_header(file: &mut std::fs::File, len: u64) -> std::result::Result<(), HeaderError> {
     use std::io::Read;
-    let mut n = [0u8; 8];
+    let not_st = |why: String| HeaderError::Bad(bad(format!("not a valid safetensors file ({len} bytes; truncated or corrupt?): {why}")));
     if len < 8 {
-        return Ok(None);
+        return Err(not_st("shorter than the 8-byte header length".into()));
     }
-    file.read_exact(&mut n)?;
+    let mut n = [0u8; 8];
+    file.read_exact(&mut n).map_err(HeaderError::Io)?;
     let n = u64::from_le_bytes(n);
-    if n > HEADER_MAX || 8 + n > len {
-        return Ok(None);
+    if n > HEADER_MAX {
+        return Err(not_st(format!("its header length field says {n} bytes, over the {HEADER_MAX}-byte limit")));
+    }
+    if 8 + n > len {
+        return Err(not_st(format!("its header length field says {n} bytes, past the end of the file")));
     }
     let mut header = vec![0u8; n as usize];
-    file.read_exact(&mut header)?;
-    Ok(Some(header))
+    file.read_exact(&mut header).map_err(HeaderError::Io)?;
+    let json: serde_json::Value = serde_json::from_slice(&header).map_err(|e| not_st(format!("its header is not JSON: {e}")))?;
+    format_check(json.get("__metadata__").and_then(|m| m.get("format")).map(|f| f.as_str().unwrap_or("(not a string)")))
+        .map_err(HeaderError::Bad)?;
+    // Where the tensors' data ends (safetensors: the offsets tile the data
+    // section, which ends the file). A malformed entry is left to
+    // `from_bytes`, which names it; the file is then read whole, as its
+    // size is what the header's other entries allow.
+    let mut data_end = 0u64;
+    if let Some(tensors) = json.as_object() {
+        for (name, t) in tensors {
+            if name == "__metadata__" {
+                continue;
+            }
+            match t.get("data_offsets").and_then(|o| o.as_array()).and_then(|o| o.get(1)).and_then(|e| e.as_u64()) {
+                Some(end) => data_end = data_end.max(end),
+                None => return Ok(()),
+            }
+        }
+    }
+    let described = 8 + n + data_end;
+    if described != len {
+        return Err(not_st(format!("its header describes {described} bytes")));
+    }
+    Ok(())
 }
 /// The safetensors crate's limit on a header's size.
 const HEADER_MAX: u64 = 100_000_000;
-
-/// The `format` tag of a header, checked as `parse_meta` checks it; a header
-/// that is not JSON passes (`from_bytes` explains).
-fn check_format_tag(header: &[u8]) -> Result<()> {
-    let Ok(json) = serde_json::from_slice::<serde_json::Value>(header) else { return Ok(()) };
-    format_check(json.get("__metadata__").and_then(|m| m.get("format")).map(|f| f.as_str().unwrap_or("(not a string)")))
-}
 
 fn format_check(found: Option<&str>) -> Result<()> {
     match found {

@@ -16,6 +16,9 @@ pub fn topk(scores: &[f64], k: usize) -> Vec<i32> {
     debug_assert!(scores.iter().all(|s| !s.is_nan()));
     // `s + 0.0` turns -0.0 into +0.0 (and changes nothing else), so the two
     // zeros tie as they do in a float comparison on the device.
+    if k == 0 {
+        return Vec::new();
+    }
     let mut items: Vec<(f64, u32)> = scores.iter().enumerate().map(|(i, &s)| (s + 0.0, i as u32)).collect();
     if k < items.len() {
         items.select_nth_unstable_by(k - 1, before);
@@ -38,6 +41,7 @@ mod tests {
         assert_eq!(topk(&[0.5; 6], 4), vec![0, 1, 2, 3]);
         assert_eq!(topk(&[1.0, 2.0, 1.0, 2.0, 1.0], 3), vec![1, 3, 0]);
         assert_eq!(topk(&[-0.0, 0.0, -0.0], 2), vec![0, 1]);
+        assert_eq!(topk(&[1.0, 2.0], 0), Vec::<i32>::new());
         assert_eq!(topk(&[7.0], 1), vec![0]);
         assert_eq!(topk(&[-1e300, f64::MIN_POSITIVE, -0.0], 3), vec![1, 2, 0]);
     }

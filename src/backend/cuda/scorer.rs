@@ -865,11 +865,18 @@ static ALL_BOUNDS: OnceLock<BoundsByDevice> = OnceLock::new();
 impl CudaBounds {
     /// Waits for `stream` and returns (clearing it) an error an asynchronous
     /// bounds call on `device` recorded there (only calls made with
-    /// `KVSWAP_SYNC=0` leave one; none made yet: nothing to wait for).
+    /// `KVSWAP_SYNC=0` leave one). Before any such call nothing is recorded,
+    /// but the device and the stream are checked and the stream waited for
+    /// all the same.
     pub fn sync_errors(device: i32, stream: StreamHandle) -> Result<()> {
         let found = ALL_BOUNDS.get().and_then(|all| all.lock().unwrap_or_else(|p| p.into_inner()).get(&(device, false)).cloned());
-        let Some(me) = found else { return Ok(()) };
-        me.workspaces.sync_errors(&me.launch.device, stream)
+        if let Some(me) = found {
+            return me.workspaces.sync_errors(&me.launch.device, stream);
+        }
+        let dev = open_device(device)?;
+        let _g = dev.bind()?;
+        let s = check_waitable(&dev, stream, "wait for it")?;
+        driver::stream_sync(s)
     }
 
     /// The bounds scorer of `device`, created once per process.
