@@ -563,7 +563,8 @@ enum KvswapStatus fm_score_topk(const struct FmScorer *scorer,
 // Every sequence is checked before any is scored, and on failure no
 // `out_indices` is written; the message names the sequence (`seqs[i]`).
 // The `out_indices` of different sequences must not overlap each other
-// (on CUDA, nor any sequence's hidden state or keys); this is not checked.
+// (KVSWAP_STATUS_INVALID_ARGUMENT) nor, on CUDA, any sequence's hidden
+// state or keys (not checked).
 // On the CUDA backend NaN/Inf values are found on the device instead: a
 // call runs in launch groups (up to 64 sequences of one key dtype; f32,
 // then bf16, then fp8 keys, each in call order), and the outputs of the

@@ -154,6 +154,7 @@ impl Scorer {
         for (i, s) in seqs.iter().enumerate() {
             args::check_seq(s, self.meta().head_dim as usize, Some(i))?;
         }
+        args::check_outputs_disjoint(seqs, k as usize)?;
         // SAFETY: as above.
         unsafe { self.backend.score_topk_batch(seqs, k as usize, self.ensemble(), stream) }
     }
