@@ -184,7 +184,18 @@ impl Context {
                 ids.len()
             )));
         }
-        let checked = ids.iter().map(|&id| self.check_id(layer, id as i64)).collect::<Result<Vec<u32>>>()?;
+        // Rows are numbered in u32 (the backends' row lists); the checked ids
+        // are reserved fallibly (a huge batch is OUT_OF_MEMORY, not an abort).
+        if ids.len() > u32::MAX as usize {
+            return Err(Error::out_of_range(format!("n = {}: a store batch holds at most {} rows", ids.len(), u32::MAX)));
+        }
+        let mut checked = Vec::new();
+        checked.try_reserve_exact(ids.len()).map_err(|_| {
+            Error::new(KvswapStatus::OutOfMemory, format!("store of {} rows: cannot allocate the checked ids", ids.len()))
+        })?;
+        for &id in ids {
+            checked.push(self.check_id(layer, id as i64)?);
+        }
         // SAFETY: forwarded caller contract.
         unsafe { self.layer(layer)?.store(&checked, src, stride, stream) }
     }
@@ -262,12 +273,12 @@ impl Context {
         if ids.is_empty() {
             return Err(Error::invalid("store of 0 chunks"));
         }
-        if rows.len() != n * ids.len() {
+        if n.checked_mul(ids.len()) != Some(rows.len()) {
             return Err(Error::invalid(format!(
                 "src has {} bytes, {} chunks of chunk_bytes={n} need {}",
                 rows.len(),
                 ids.len(),
-                n * ids.len()
+                n as u128 * ids.len() as u128
             )));
         }
         let checked = ids.iter().map(|&id| self.check_id(layer, id as i64)).collect::<Result<Vec<u32>>>()?;

@@ -173,16 +173,41 @@ pub fn check_pinned_cap(required: u64, cap_mib: u64) -> Result<()> {
 
 /// The distinct ids of a store batch with the row each is read from: when an
 /// id repeats, its last row wins (as if the rows were stored in order).
-/// Ordered by row.
-pub fn dedup_last(ids: &[u32]) -> Vec<(u32, u32)> {
+/// Ordered by row. `cap` bounds the distinct ids (the layer's
+/// `compressed_cap`), so the table is sized by what can differ, not by the
+/// batch (a batch may repeat ids without limit); its memory is reserved
+/// fallibly (`KVSWAP_STATUS_OUT_OF_MEMORY`, never an abort). Rows are u32:
+/// the caller refuses batches of more than u32::MAX rows.
+pub fn dedup_last(ids: &[u32], cap: u32) -> Result<Vec<(u32, u32)>> {
+    debug_assert!(ids.len() <= u32::MAX as usize);
+    let oom = |what: &str| Error::new(KvswapStatus::OutOfMemory, format!("store of {} rows: cannot allocate {what}", ids.len()));
     if ids.len() == 1 {
-        return vec![(ids[0], 0)];
+        return Ok(vec![(ids[0], 0)]);
     }
-    let mut last = std::collections::HashMap::with_capacity(ids.len());
+    let distinct = ids.len().min(cap as usize);
+    let mut last = std::collections::HashMap::new();
+    last.try_reserve(distinct).map_err(|_| oom("the id table"))?;
     for (row, &id) in ids.iter().enumerate() {
         last.insert(id, row as u32);
     }
-    let mut pairs: Vec<(u32, u32)> = last.into_iter().collect();
+    let mut pairs = Vec::new();
+    pairs.try_reserve_exact(last.len()).map_err(|_| oom("the row list"))?;
+    pairs.extend(last);
     pairs.sort_unstable_by_key(|&(_, row)| row);
-    pairs
+    Ok(pairs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dedup_last;
+
+    #[test]
+    fn dedup_keeps_the_last_row_of_each_id_in_row_order() {
+        assert_eq!(dedup_last(&[7], 16).unwrap(), vec![(7, 0)]);
+        assert_eq!(dedup_last(&[3, 1, 3, 2, 1], 16).unwrap(), vec![(3, 2), (2, 3), (1, 4)]);
+        // A batch that repeats few ids many times: the table is sized by the
+        // layer's capacity (16 ids), not by the batch's 1,000,000 rows.
+        let ids: Vec<u32> = (0..1_000_000u32).map(|r| r % 4).collect();
+        assert_eq!(dedup_last(&ids, 16).unwrap(), vec![(0, 999_996), (1, 999_997), (2, 999_998), (3, 999_999)]);
+    }
 }

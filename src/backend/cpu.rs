@@ -106,7 +106,7 @@ impl CpuLayer {
 impl LayerOps for CpuLayer {
     unsafe fn store(&mut self, ids: &[u32], src: u64, src_stride: usize, _stream: StreamHandle) -> Result<()> {
         let n = self.plan.chunk_bytes;
-        for (id, row) in dedup_last(ids) {
+        for (id, row) in dedup_last(ids, self.plan.compressed_cap)? {
             // SAFETY: the caller guarantees the source rows are readable.
             let from = unsafe { (src as *const u8).add(row as usize * src_stride) };
             // SAFETY: host row and source are `n` bytes; they do not overlap

@@ -166,7 +166,17 @@ pub extern "C" fn kvswap_config_from_env(out: *mut KvswapConfig) -> KvswapStatus
 /// layers (`KVSWAP_STATUS_OUT_OF_RANGE`), and no CUDA device for an explicit
 /// CUDA backend (`KVSWAP_STATUS_NO_DEVICE`). Engine-owned staging buffers
 /// (`KvswapLayerSpec.staging`) of different layers must not overlap: each
-/// layer takes its rows for its own slots.
+/// layer takes its rows for its own slots (not checked).
+/// Limits: `compressed_cap` below 2^30 - 1 and `chunk_bytes` at most 1 GiB
+/// (`KVSWAP_STATUS_OUT_OF_RANGE`); `gpu_chunks` and `window` at most
+/// 2^30 - 1 (`KVSWAP_STATUS_INVALID_ARGUMENT`); `window` + a layer's slots
+/// below 2^30, so that physical ids fit an int32 (`KVSWAP_STATUS_OUT_OF_RANGE`).
+/// `KVSWAP_STATUS_TOPK_GUARD` applies only with `enable = 1`.
+/// Other errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `config`, `layers` or
+/// `out`); `KVSWAP_STATUS_INVALID_ARGUMENT` (a misaligned pointer, a bad
+/// config field or layer spec, each named); `KVSWAP_STATUS_OUT_OF_MEMORY`
+/// (host tier or staging); on CUDA `KVSWAP_STATUS_UNSUPPORTED` (a driver
+/// older than CUDA 12.3) and `KVSWAP_STATUS_DEVICE_ERROR`.
 #[no_mangle]
 pub extern "C" fn kvswap_create(
     config: *const KvswapConfig,
@@ -211,6 +221,7 @@ pub extern "C" fn kvswap_destroy(ctx: *mut KvswapContext) {
 /// Stores the chunk `logical_id` of `layer` from `src` (`chunk_bytes` bytes:
 /// device memory on CUDA, host memory on the CPU backend) into the host tier
 /// and marks it ready. A resident slot holding it is refreshed too.
+/// Errors: as `kvswap_store_batch` with `n = 1`.
 #[no_mangle]
 pub extern "C" fn kvswap_store(
     ctx: *mut KvswapContext,
@@ -228,8 +239,19 @@ pub extern "C" fn kvswap_store(
 }
 
 /// Stores `n` chunks: chunk `ids[i]` from `src + i * src_stride` bytes
-/// (`src_stride` 0 means `chunk_bytes`). `ids` is host memory. Every id is
-/// checked before anything is stored.
+/// (`src_stride` 0 means `chunk_bytes`; with `n > 1` a stride must be at
+/// least `chunk_bytes`). `ids` is host memory. When an id repeats, its last
+/// row is stored. Every id is checked before anything is stored.
+/// Errors (nothing stored): `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`, `ids`
+/// or `src`); `KVSWAP_STATUS_INVALID_ARGUMENT` (`n` 0, a misaligned pointer,
+/// a stride below `chunk_bytes`, on CUDA the NULL stream or host memory
+/// where device memory is expected); `KVSWAP_STATUS_OUT_OF_RANGE` (a bad
+/// layer or id, `n` above 2^32 - 1, rows running past the end of the
+/// address space or, on CUDA, of `src`'s allocation);
+/// `KVSWAP_STATUS_OUT_OF_MEMORY` (the batch's id table);
+/// `KVSWAP_STATUS_WRONG_DEVICE` (CUDA: memory or stream of another device);
+/// `KVSWAP_STATUS_DEVICE_ERROR` (CUDA); `KVSWAP_STATUS_PANIC` (a layer left
+/// unusable by an earlier panic).
 #[no_mangle]
 pub extern "C" fn kvswap_store_batch(
     ctx: *mut KvswapContext,
@@ -262,9 +284,24 @@ pub extern "C" fn kvswap_store_batch(
 /// -1; a duplicate id maps to the same slot; `count <= gpu_chunks`.
 /// A chunk never stored gives `KVSWAP_STATUS_NOT_STORED` and changes nothing
 /// (with `sync = 0` the entry becomes -1 and the error is returned by the next
-/// `kvswap_sync` or `kvswap_layer_stats`). On CUDA, a `KVSWAP_VALIDATE=1`
-/// mismatch is found on the device and reported the same way (by this call
-/// with `sync = 1`, else later), naming one mismatching position.
+/// `kvswap_sync` or `kvswap_layer_stats`).
+/// With `KVSWAP_VALIDATE=1` every staged chunk is compared with its host
+/// copy after the call's work (on CUDA on the device); a mismatch is
+/// `KVSWAP_STATUS_VALIDATION_FAILED`, returned by this call (`sync = 1`) or
+/// later as above, naming the lowest mismatching position. Unlike
+/// `NOT_STORED` the call's work is then done: the entries hold physical
+/// ids, residency and counters are updated, and the mismatching slot keeps
+/// its bytes until its chunk is stored again (`kvswap_store` refreshes a
+/// resident slot).
+/// Other errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx` or `indices`);
+/// `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `indices`, on CUDA the NULL
+/// stream or host memory); `KVSWAP_STATUS_OUT_OF_RANGE` (a bad layer, an
+/// id below -1 or at or above `compressed_cap`, `count` above
+/// `gpu_chunks` (on a layer without swap: above the larger of `gpu_chunks`
+/// and `compressed_cap`), `window_len` + slots at or above 2^30, on CUDA `indices` past the
+/// end of its allocation); `KVSWAP_STATUS_WRONG_DEVICE` and
+/// `KVSWAP_STATUS_DEVICE_ERROR` (CUDA); `KVSWAP_STATUS_PANIC` (a layer left
+/// unusable by an earlier panic). `count` 0 is a call that selects nothing.
 /// kvswap's kernels allow programmatic dependent launch: an engine kernel
 /// launched as a programmatic dependent of this call must wait
 /// (`cudaGridDependencySynchronize`) before it reads the indices or the
@@ -291,6 +328,9 @@ pub extern "C" fn kvswap_swap_in_selected(
 /// eager call (after a graph launch, call `kvswap_sync` with the launch
 /// stream first) and returns a deferred error of an earlier asynchronous
 /// call instead of the counters, if there is one (clearing it).
+/// Other errors: `KVSWAP_STATUS_NULL_POINTER`, `KVSWAP_STATUS_INVALID_ARGUMENT`
+/// (misaligned `out`), `KVSWAP_STATUS_OUT_OF_RANGE` (a bad layer),
+/// `KVSWAP_STATUS_PANIC` (a layer left unusable by an earlier panic).
 #[no_mangle]
 pub extern "C" fn kvswap_layer_stats(ctx: *mut KvswapContext, layer: u32, out: *mut KvswapLayerStats) -> KvswapStatus {
     boundary("kvswap_layer_stats", || {
@@ -306,6 +346,9 @@ pub extern "C" fn kvswap_layer_stats(ctx: *mut KvswapContext, layer: u32, out: *
 /// attention kernel's row `window_len`), `*out_stride` the bytes between
 /// rows, `*out_rows` the number of slots (`gpu_chunks`, or `compressed_cap`
 /// when swap is off for the layer). Device memory on CUDA.
+/// Errors: `KVSWAP_STATUS_NULL_POINTER`, `KVSWAP_STATUS_INVALID_ARGUMENT`
+/// (a misaligned out-pointer), `KVSWAP_STATUS_OUT_OF_RANGE` (a bad layer),
+/// `KVSWAP_STATUS_PANIC` (a layer left unusable by an earlier panic).
 #[no_mangle]
 pub extern "C" fn kvswap_layer_staging(
     ctx: *mut KvswapContext,
@@ -340,6 +383,8 @@ pub extern "C" fn kvswap_sync(ctx: *mut KvswapContext, stream: KvswapStream) -> 
 }
 
 /// Writes what the context runs on to `*out`.
+/// Errors: `KVSWAP_STATUS_NULL_POINTER`, `KVSWAP_STATUS_INVALID_ARGUMENT`
+/// (misaligned `out`).
 #[no_mangle]
 pub extern "C" fn kvswap_context_info(ctx: *mut KvswapContext, out: *mut KvswapContextInfo) -> KvswapStatus {
     boundary("kvswap_context_info", || {

@@ -601,7 +601,7 @@ impl LayerOps for CudaLayer {
         let (s, capture) = self.stream(stream)?;
         let n = self.plan.chunk_bytes as u64;
         self.check_range(src, (ids.len() as u64 - 1) * src_stride as u64 + n, "src")?;
-        let pairs = dedup_last(ids);
+        let pairs = dedup_last(ids, self.plan.compressed_cap)?;
         self.order(s, stream, capture)?;
         let launched = self.launch_store(&pairs, src, src_stride as u64, s);
         self.after_launch(s, capture.is_some(), launched)
@@ -683,10 +683,10 @@ impl LayerOps for CudaLayer {
         self.wait()?;
         self.last_stream = usize::MAX;
         let s = self.sh.internal.0;
+        let pairs = dedup_last(ids, self.plan.compressed_cap)?;
         let dst = self.scratch(rows.len())?;
         // SAFETY: scratch holds rows.len() bytes; synced before `rows` is released.
         unsafe { driver::copy_htod_async(dst, rows.as_ptr(), rows.len(), s)? };
-        let pairs = dedup_last(ids);
         // Waited for also when a launch failed: earlier ones may be queued.
         let launched = self.launch_store(&pairs, dst, self.plan.chunk_bytes as u64, s);
         driver::stream_sync(s)?;
