@@ -321,7 +321,9 @@ enum KvswapStatus kvswap_config_from_env(struct KvswapConfig *out);
 // (`KVSWAP_STATUS_TOPK_GUARD`), pinned host tier over `pinned_mib`
 // (`KVSWAP_STATUS_PINNED_CAP`), zero sizes, more than KVSWAP_MAX_LAYERS
 // layers (`KVSWAP_STATUS_OUT_OF_RANGE`), and no CUDA device for an explicit
-// CUDA backend (`KVSWAP_STATUS_NO_DEVICE`). Engine-owned staging buffers
+// CUDA backend (`KVSWAP_STATUS_NO_DEVICE`; also with `auto` when the driver
+// has devices but not `device`: `auto` falls back to the CPU only where
+// there is no GPU). Engine-owned staging buffers
 // (`KvswapLayerSpec.staging`) of different layers must not overlap: each
 // layer takes its rows for its own slots (not checked).
 // Limits: `compressed_cap` below 2^30 - 1 and `chunk_bytes` at most 1 GiB

@@ -158,12 +158,23 @@ fn parse_bool(var: &str, v: &str) -> Result<bool> {
     }
 }
 
-fn parse_uint<T: std::str::FromStr>(var: &str, v: &str, what: &str) -> Result<T> {
+fn parse_uint<T: TryFrom<u128>>(var: &str, v: &str, what: &str) -> Result<T> {
     let t = v.trim();
     if t.starts_with('-') {
         return Err(bad(var, v, &format!("{what}; negative values are refused")));
     }
-    t.parse::<T>().map_err(|_| bad(var, v, what))
+    let n = t.parse::<u128>().map_err(|_| bad(var, v, what))?;
+    T::try_from(n).map_err(|_| bad(var, v, &format!("{what}; this one is too large")))
+}
+
+/// A count that an int32 physical id must hold beside others: 1 ..= 2^30 - 1
+/// (0 allowed when `zero_ok`), refused naming the variable actually set.
+fn parse_count(var: &str, v: &str, what: &str, zero_ok: bool) -> Result<u32> {
+    let n: u32 = parse_uint(var, v, what)?;
+    if (n == 0 && !zero_ok) || n > i32::MAX as u32 / 2 {
+        return Err(bad(var, v, &format!("{what}, at most {}", i32::MAX as u32 / 2)));
+    }
+    Ok(n)
 }
 
 fn parse_nonzero(var: &str, v: &str, what: &str) -> Result<u32> {
@@ -226,7 +237,7 @@ impl Config {
     fn apply(&mut self, canonical: &str, used: &str, v: &str) -> Result<()> {
         match canonical {
             "KVSWAP_ENABLE" => self.enable = parse_bool(used, v)?,
-            "KVSWAP_GPU_CHUNKS" => self.gpu_chunks = parse_nonzero(used, v, "a slot count >= 1")?,
+            "KVSWAP_GPU_CHUNKS" => self.gpu_chunks = parse_count(used, v, "a slot count >= 1", false)?,
             "KVSWAP_PINNED_MIB" => self.pinned_mib = parse_uint(used, v, "a size in MiB")?,
             "KVSWAP_SYNC" => self.sync = parse_bool(used, v)?,
             "KVSWAP_VALIDATE" => self.validate = parse_bool(used, v)?,
@@ -234,7 +245,7 @@ impl Config {
                 self.test_allow_topk_reduction = parse_bool(used, v)?
             }
             "KVSWAP_INDEX_TOPK" => self.index_topk = parse_nonzero(used, v, "a chunk count >= 1")?,
-            "KVSWAP_WINDOW" => self.window = parse_uint(used, v, "a token count")?,
+            "KVSWAP_WINDOW" => self.window = parse_count(used, v, "a token count", true)?,
             "KVSWAP_FM_CKPT" => {
                 if v.len() >= KVSWAP_PATH_MAX || v.contains('\0') {
                     return Err(bad(used, &format!("{}...", v.chars().take(64).collect::<String>()), &format!(
@@ -422,6 +433,22 @@ mod tests {
         let e = Config::from_lookup(env(&[("KVSWAP_FM_CKPT", &long)])).unwrap_err();
         assert_eq!(e.status, KvswapStatus::InvalidArgument, "{e}");
         assert!(e.message.contains(&"\u{20ac}".repeat(64)), "{e}");
+    }
+
+    #[test]
+    fn range_errors_name_the_variable_set_and_the_limit() {
+        // The alias that was set, not the kvswap name, and the limit.
+        let e = Config::from_lookup(env(&[("POCKETLLM_GGUF_KV_SWAP_GPU_CHUNKS", "2000000000")])).unwrap_err();
+        assert!(e.message.starts_with("POCKETLLM_GGUF_KV_SWAP_GPU_CHUNKS=") && e.message.contains("at most 1073741823"), "{e}");
+        // Beyond u32: too large, not "expected >= 1".
+        let e = Config::from_lookup(env(&[("KVSWAP_GPU_CHUNKS", "99999999999999")])).unwrap_err();
+        assert!(e.message.contains("too large"), "{e}");
+        let e = Config::from_lookup(env(&[("KVSWAP_WINDOW", "1073741824")])).unwrap_err();
+        assert!(e.message.starts_with("KVSWAP_WINDOW=") && e.message.contains("at most 1073741823"), "{e}");
+        assert_eq!(Config::from_lookup(env(&[("KVSWAP_WINDOW", "0")])).unwrap().window, 0);
+        assert_eq!(Config::from_lookup(env(&[("KVSWAP_GPU_CHUNKS", "1073741823")])).unwrap().gpu_chunks, 1073741823);
+        let e = Config::from_lookup(env(&[("KVSWAP_PINNED_MIB", "18446744073709551616")])).unwrap_err();
+        assert!(e.message.contains("too large"), "{e}");
     }
 
     #[test]

@@ -326,19 +326,23 @@ impl Drop for Context {
                 g.stats()
             });
             if let Ok(s) = s {
-                log::info!("{}", stats_line(l, &s));
+                log::info!("{}", stats_line(l, self.config.gpu_chunks, &s));
             }
         }
     }
 }
 
-/// The stats log line, in the original engine's shape.
-pub fn stats_line(layer: usize, s: &KvswapLayerStats) -> String {
+/// The stats log line, in the original engine's shape: `gpu_chunks` is the
+/// configured slot count (the same on every line), then kvswap's own fields,
+/// among them the layer's own `slots` (`compressed_cap` when swap is off
+/// for it) and `swap`.
+pub fn stats_line(layer: usize, gpu_chunks: u32, s: &KvswapLayerStats) -> String {
     format!(
         // The original engine's fields in its order, then kvswap's own.
-        "kvswap_stats layer={layer} gpu_chunks={} compressed_cap={} hits={} misses={} h2d_mib={:.3} d2h_mib={:.3} evictions={} stores={} swap_in_calls={}",
-        s.slots, s.compressed_cap, s.hits, s.misses,
-        s.h2d_bytes as f64 / (1 << 20) as f64, s.d2h_bytes as f64 / (1 << 20) as f64, s.evictions, s.stores, s.swap_in_calls
+        "kvswap_stats layer={layer} gpu_chunks={gpu_chunks} compressed_cap={} hits={} misses={} h2d_mib={:.3} d2h_mib={:.3} evictions={} stores={} swap_in_calls={} slots={} swap={}",
+        s.compressed_cap, s.hits, s.misses,
+        s.h2d_bytes as f64 / (1 << 20) as f64, s.d2h_bytes as f64 / (1 << 20) as f64, s.evictions, s.stores, s.swap_in_calls,
+        s.slots, s.swap_enabled
     )
 }
 
@@ -448,11 +452,16 @@ mod tests {
 
     #[test]
     fn stats_line_keeps_the_original_fields_first() {
-        let s = KvswapLayerStats { slots: 512, compressed_cap: 65536, hits: 3, misses: 2, evictions: 1, stores: 4, swap_in_calls: 5, h2d_bytes: 1 << 20, ..Default::default() };
+        let s = KvswapLayerStats { slots: 512, compressed_cap: 65536, hits: 3, misses: 2, evictions: 1, stores: 4, swap_in_calls: 5, h2d_bytes: 1 << 20, swap_enabled: 1, ..Default::default() };
         assert_eq!(
-            stats_line(3, &s),
-            "kvswap_stats layer=3 gpu_chunks=512 compressed_cap=65536 hits=3 misses=2 h2d_mib=1.000 d2h_mib=0.000 evictions=1 stores=4 swap_in_calls=5"
+            stats_line(3, 512, &s),
+            "kvswap_stats layer=3 gpu_chunks=512 compressed_cap=65536 hits=3 misses=2 h2d_mib=1.000 d2h_mib=0.000 evictions=1 stores=4 swap_in_calls=5 slots=512 swap=1"
         );
+        // A layer without swap: gpu_chunks stays the configured value; its
+        // own slot count follows.
+        let off = KvswapLayerStats { slots: 64, compressed_cap: 64, ..Default::default() };
+        assert!(stats_line(7, 512, &off).starts_with("kvswap_stats layer=7 gpu_chunks=512 compressed_cap=64 "));
+        assert!(stats_line(7, 512, &off).ends_with(" slots=64 swap=0"));
     }
 
     /// Strides whose rows would run past the end of the address space are

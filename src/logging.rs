@@ -109,14 +109,28 @@ impl log::Log for KvswapLogger {
 }
 
 fn level_from_env() -> log::LevelFilter {
-    match std::env::var("KVSWAP_LOG").ok().as_deref().map(str::trim) {
-        Some("off") | Some("0") => log::LevelFilter::Off,
-        Some("error") => log::LevelFilter::Error,
-        Some("warn") => log::LevelFilter::Warn,
-        Some("debug") => log::LevelFilter::Debug,
-        Some("trace") => log::LevelFilter::Trace,
-        _ => log::LevelFilter::Info,
-    }
+    std::env::var("KVSWAP_LOG").ok().as_deref().and_then(parse_level).unwrap_or(log::LevelFilter::Info)
+}
+
+/// A `KVSWAP_LOG` value: a level name in any case (`off`, `error`, `warn` or
+/// `warning`, `info`, `debug`, `trace`) or its number as `kvswap_set_log_level`
+/// takes it (0 off .. 5 trace); None for a blank or unknown value (the
+/// default, info, applies).
+pub fn parse_level(v: &str) -> Option<log::LevelFilter> {
+    Some(match v.trim().to_ascii_lowercase().as_str() {
+        "off" | "0" => log::LevelFilter::Off,
+        "error" | "1" => log::LevelFilter::Error,
+        "warn" | "warning" | "2" => log::LevelFilter::Warn,
+        "info" | "3" => log::LevelFilter::Info,
+        "debug" | "4" => log::LevelFilter::Debug,
+        "trace" | "5" => log::LevelFilter::Trace,
+        _ => return None,
+    })
+}
+
+/// Whether `KVSWAP_LOG` sets a level (a blank or unknown value does not).
+pub fn level_from_env_set() -> bool {
+    std::env::var("KVSWAP_LOG").ok().as_deref().and_then(parse_level).is_some()
 }
 
 /// Installs kvswap's logger unless the program has one. Idempotent.
@@ -173,4 +187,23 @@ pub fn set_level(level: u32) -> bool {
     };
     log::set_max_level(f);
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_level;
+    use log::LevelFilter;
+
+    #[test]
+    fn log_levels_by_name_any_case_or_number() {
+        assert_eq!(parse_level("ERROR"), Some(LevelFilter::Error));
+        assert_eq!(parse_level(" Warning "), Some(LevelFilter::Warn));
+        assert_eq!(parse_level("2"), Some(LevelFilter::Warn));
+        assert_eq!(parse_level("0"), Some(LevelFilter::Off));
+        assert_eq!(parse_level("5"), Some(LevelFilter::Trace));
+        assert_eq!(parse_level("info"), Some(LevelFilter::Info));
+        assert_eq!(parse_level(""), None);
+        assert_eq!(parse_level("6"), None);
+        assert_eq!(parse_level("loud"), None);
+    }
 }

@@ -365,6 +365,9 @@ pub struct Plan {
     pub gpu_bytes_no_swap_total: u64,
     pub gpu_bytes_swap_total: u64,
     pub reference: ReferenceAccounting,
+    /// What `kvswap_create` would refuse in this setup (its limits and the
+    /// top-k guard at the default KVSWAP_INDEX_TOPK), one sentence each.
+    pub warnings: Vec<String>,
 }
 
 impl Plan {
@@ -412,7 +415,9 @@ pub fn plan(model: &Model, context: u64) -> Result<Plan, PlanError> {
     let total = |f: fn(&ClassPlan) -> u64| classes.iter().map(|c| f(c) * c.count as u64).sum::<u64>();
     let pinned = total(|c| c.pinned_bytes_each);
     let reference = reference_accounting(model, &classes, context);
+    let warnings = create_limits(model, &classes);
     Ok(Plan {
+        warnings,
         context,
         model: model.clone(),
         pinned_bytes_total: pinned,
@@ -422,6 +427,40 @@ pub fn plan(model: &Model, context: u64) -> Result<Plan, PlanError> {
         reference,
         classes,
     })
+}
+
+/// The limits `kvswap_create` applies (README, the header) that this setup
+/// breaks: the plan still prints its figures, and says so.
+fn create_limits(model: &Model, classes: &[ClassPlan]) -> Vec<String> {
+    const ID_LIMIT: u64 = i32::MAX as u64 / 2; // ids and physical ids are int32
+    let mut w = Vec::new();
+    if model.chunk_bytes() > 1 << 30 {
+        w.push(format!("chunk_bytes {} is above kvswap_create's limit of 1 GiB", thousands(model.chunk_bytes())));
+    }
+    if model.window as u64 > ID_LIMIT {
+        w.push(format!("window {} is above the limit {} (KVSWAP_WINDOW)", thousands(model.window as u64), thousands(ID_LIMIT)));
+    }
+    for c in classes {
+        if c.compressed_cap >= ID_LIMIT {
+            w.push(format!(
+                "layers at ratio {}: compressed_cap {} is at or above kvswap_create's limit {} (ids are int32)",
+                c.ratio,
+                thousands(c.compressed_cap),
+                thousands(ID_LIMIT)
+            ));
+        } else if model.window as u64 + if c.swap { model.gpu_chunks as u64 } else { c.compressed_cap } >= 1 << 30 {
+            w.push(format!("layers at ratio {}: window + slots reach 2^30 (physical ids are int32)", c.ratio));
+        }
+    }
+    let topk = crate::config::Config::default().index_topk;
+    if model.gpu_chunks < topk {
+        w.push(format!(
+            "gpu_chunks {} is below the default KVSWAP_INDEX_TOPK={topk}: kvswap_create refuses it (TOPK_GUARD) \
+             unless index_topk <= gpu_chunks",
+            model.gpu_chunks
+        ));
+    }
+    w
 }
 
 /// Refuses inputs whose byte counts would overflow 64 bits (the largest
@@ -527,6 +566,9 @@ pub fn render(p: &Plan) -> String {
     out += &render_totals(p);
     out += "\n";
     out += &render_reference(p);
+    for w in &p.warnings {
+        out += &format!("warning: {w}\n");
+    }
     out
 }
 
@@ -716,6 +758,17 @@ mod tests {
             assert_eq!(sig(total, row.total_digits), row.total_mb, "pinned total at {ctx}: {total} MB");
             assert_eq!(p.suggested_pinned_mib, row.suggested_mib, "suggested MiB at {ctx}");
         }
+    }
+
+    #[test]
+    fn warns_where_kvswap_create_would_refuse() {
+        assert!(reference(M).warnings.is_empty(), "{:?}", reference(M).warnings);
+        let big = reference(1 << 34); // 16G tokens: ratio-4 caps of 2^32
+        assert_eq!(big.warnings.len(), 1, "{:?}", big.warnings);
+        assert!(big.warnings[0].contains("ratio 4") && big.warnings[0].contains("1,073,741,823"), "{:?}", big.warnings);
+        let small = plan(&Model { gpu_chunks: 256, ..Model::default() }, M).unwrap();
+        assert!(small.warnings.iter().any(|w| w.contains("TOPK_GUARD")), "{:?}", small.warnings);
+        assert!(render(&small).contains("\nwarning: gpu_chunks 256"));
     }
 
     #[test]

@@ -326,6 +326,12 @@ fn bad_device_ordinal_is_no_device() {
     let cfg = Config { device: 999, ..config(BackendChoice::Cuda, 512, true) };
     let e = Context::new(cfg, &[spec(1024, 2048)]).err().expect("device 999 must be refused");
     assert_eq!(e.status, kvswap::KvswapStatus::NoDevice, "{e}");
+    // The auto backend too: GPUs are present, so a missing ordinal is a
+    // configuration error, not a fall back to the CPU (whose context would
+    // read device pointers as host memory).
+    let cfg = Config { device: 999, ..config(BackendChoice::Auto, 512, true) };
+    let e = Context::new(cfg, &[spec(1024, 2048)]).err().expect("auto with device 999 must be refused");
+    assert_eq!(e.status, kvswap::KvswapStatus::NoDevice, "{e}");
 }
 
 /// A stream of another CUDA context is refused with WRONG_DEVICE and changes

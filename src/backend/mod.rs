@@ -98,12 +98,28 @@ pub fn select(cfg: &Config) -> Result<Box<dyn Backend>> {
         BackendChoice::Cuda => cuda_backend(cfg),
         BackendChoice::Auto => match cuda_backend(cfg) {
             Ok(b) => Ok(b),
+            // GPUs present but not the one asked for: a configuration error,
+            // not "no GPU here" (a CPU context would read the engine's device
+            // pointers as host memory).
+            Err(e) if device_missing(cfg.device) => Err(e),
             Err(e) => {
-                log::info!("kvswap: backend=cpu reason=\"{}\"", e.message);
+                log::info!("kvswap: backend=cpu reason={:?}", e.message);
                 Ok(Box::new(cpu::CpuBackend))
             }
         },
     }
+}
+
+/// Whether the driver reports devices, but none with this ordinal (a
+/// configuration error where `auto` would otherwise fall back to the CPU).
+#[cfg(feature = "cuda")]
+pub fn device_missing(ordinal: i32) -> bool {
+    matches!(cuda::driver::device_count(), Ok(n) if n > 0 && ordinal >= n)
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn device_missing(_ordinal: i32) -> bool {
+    false
 }
 
 #[cfg(feature = "cuda")]

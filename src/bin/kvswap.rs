@@ -232,7 +232,7 @@ fn main() -> ExitCode {
 
 fn cmd_bench(a: BenchArgs) -> Result<(), Failure> {
     kvswap::logging::init();
-    if std::env::var_os("KVSWAP_LOG").is_none() {
+    if !kvswap::logging::level_from_env_set() {
         log::set_max_level(log::LevelFilter::Warn);
     }
     let backend: BackendChoice = a.backend.into();
@@ -273,7 +273,7 @@ fn cmd_bench(a: BenchArgs) -> Result<(), Failure> {
                 }
                 return Ok(());
             }
-            Err(e) if backend == BackendChoice::Auto && e.status == kvswap::KvswapStatus::NoDevice => {
+            Err(e) if backend == BackendChoice::Auto && e.status == kvswap::KvswapStatus::NoDevice && !kvswap::backend::device_missing(a.device) => {
                 emit(&format!("note: no CUDA device ({}); measuring the CPU backend\n\n", e.message))?;
             }
             Err(e) => return Err(e.into()),
@@ -401,7 +401,7 @@ fn demo_params(a: &DemoArgs, gpu_chunks: u32) -> Result<DemoParams, Failure> {
 
 /// Library logs: warnings only, unless `--verbose` or `KVSWAP_LOG` says otherwise.
 fn set_log_level(verbose: bool) {
-    if std::env::var_os("KVSWAP_LOG").is_none() {
+    if !kvswap::logging::level_from_env_set() {
         kvswap::logging::set_level(if verbose { 3 } else { 2 });
     }
 }

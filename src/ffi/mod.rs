@@ -101,6 +101,9 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 
 /// Runs `f` behind the panic boundary, turning its result into a status.
 pub(crate) fn boundary(name: &str, f: impl FnOnce() -> Result<()>) -> KvswapStatus {
+    // Every entry point, not only kvswap_create, turns the logger on (an
+    // engine may load a scorer first); after the first call a cheap check.
+    crate::logging::init();
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => KvswapStatus::Ok,
         Ok(Err(e)) => {
@@ -164,7 +167,9 @@ pub extern "C" fn kvswap_config_from_env(out: *mut KvswapConfig) -> KvswapStatus
 /// (`KVSWAP_STATUS_TOPK_GUARD`), pinned host tier over `pinned_mib`
 /// (`KVSWAP_STATUS_PINNED_CAP`), zero sizes, more than KVSWAP_MAX_LAYERS
 /// layers (`KVSWAP_STATUS_OUT_OF_RANGE`), and no CUDA device for an explicit
-/// CUDA backend (`KVSWAP_STATUS_NO_DEVICE`). Engine-owned staging buffers
+/// CUDA backend (`KVSWAP_STATUS_NO_DEVICE`; also with `auto` when the driver
+/// has devices but not `device`: `auto` falls back to the CPU only where
+/// there is no GPU). Engine-owned staging buffers
 /// (`KvswapLayerSpec.staging`) of different layers must not overlap: each
 /// layer takes its rows for its own slots (not checked).
 /// Limits: `compressed_cap` below 2^30 - 1 and `chunk_bytes` at most 1 GiB
