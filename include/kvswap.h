@@ -276,9 +276,12 @@ typedef struct FmSeq {
   int32_t *out_indices;
 } FmSeq;
 
-// CUDA when a driver and a device are present, else the CPU backend (any
-// CUDA failure falls back, with one log line). The CPU backend reads every
-// pointer as host memory: an engine passing device pointers sets
+// CUDA when a driver and a device are present, else the CPU backend: a
+// CUDA backend that cannot start (no driver or GPU, a driver older than
+// CUDA 12.3, no NVRTC) falls back, with one log line; a `device` the driver
+// does not have while it has others is `KVSWAP_STATUS_NO_DEVICE`, and errors
+// after the backend started (memory, limits) are returned. The CPU backend
+// reads every pointer as host memory: an engine passing device pointers sets
 // `KVSWAP_BACKEND_CUDA`, or checks `kvswap_context_info` after creating.
 #define KVSWAP_BACKEND_AUTO 0
 
@@ -330,7 +333,11 @@ enum KvswapStatus kvswap_config_from_env(struct KvswapConfig *out);
 // (`KVSWAP_STATUS_OUT_OF_RANGE`); `gpu_chunks` and `window` at most
 // 2^30 - 1 (`KVSWAP_STATUS_INVALID_ARGUMENT`); `window` + a layer's slots
 // below 2^30, so that physical ids fit an int32 (`KVSWAP_STATUS_OUT_OF_RANGE`).
-// `KVSWAP_STATUS_TOPK_GUARD` applies only with `enable = 1`.
+// `KVSWAP_STATUS_TOPK_GUARD` applies only with `enable = 1`. On CUDA the
+// residency kernel keeps 20 bytes per slot in shared memory, so a swapping
+// layer's `gpu_chunks` is also bounded by the device (about 11,500 on
+// H100/H200, 8,200 on A100, 5,000 on sm_86/89): above it
+// `KVSWAP_STATUS_UNSUPPORTED`, naming the device's limit.
 // Other errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `config`, `layers` or
 // `out`); `KVSWAP_STATUS_INVALID_ARGUMENT` (a misaligned pointer, a bad
 // config field or layer spec, each named); `KVSWAP_STATUS_OUT_OF_MEMORY`
@@ -443,7 +450,9 @@ enum KvswapStatus kvswap_layer_staging(struct KvswapContext *ctx,
 // are cleared). `stream` (ignored on the CPU
 // backend) is waited for as a whole first: pass the stream a graph was
 // launched on. NULL waits for each layer's last eager call only, not for
-// other work the engine queued (graph launches included).
+// other work the engine queued (graph launches included). A stream being
+// captured is refused (`KVSWAP_STATUS_INVALID_ARGUMENT`): the wait would end
+// the capture.
 enum KvswapStatus kvswap_sync(struct KvswapContext *ctx, KvswapStream stream);
 
 // Writes what the context runs on to `*out`.

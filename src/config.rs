@@ -11,9 +11,12 @@ pub const KVSWAP_PATH_MAX: usize = 4096;
 
 /// Which backend a context uses (`KVSWAP_BACKEND`).
 pub type KvswapBackendKind = u32;
-/// CUDA when a driver and a device are present, else the CPU backend (any
-/// CUDA failure falls back, with one log line). The CPU backend reads every
-/// pointer as host memory: an engine passing device pointers sets
+/// CUDA when a driver and a device are present, else the CPU backend: a
+/// CUDA backend that cannot start (no driver or GPU, a driver older than
+/// CUDA 12.3, no NVRTC) falls back, with one log line; a `device` the driver
+/// does not have while it has others is `KVSWAP_STATUS_NO_DEVICE`, and errors
+/// after the backend started (memory, limits) are returned. The CPU backend
+/// reads every pointer as host memory: an engine passing device pointers sets
 /// `KVSWAP_BACKEND_CUDA`, or checks `kvswap_context_info` after creating.
 pub const KVSWAP_BACKEND_AUTO: KvswapBackendKind = 0;
 /// Host memory plays the device: the reference backend, runs everywhere.

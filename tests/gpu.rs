@@ -135,6 +135,10 @@ fn graph_replay_21_layers_matches_cpu() {
     let new_id = |l: usize| (cap - 1 - l as u32) as i32;
     // Capture one step.
     let graph = Graph::capture(s, || {
+        // kvswap_sync on the stream being captured is refused (its wait would
+        // end the capture), and the capture goes on.
+        let e = gpu.sync_stream(s as u64).expect_err("a sync on a capturing stream must be refused");
+        assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
         (0..layers).try_for_each(|l| unsafe {
             gpu.store_raw(l, &[new_id(l)], src[l].ptr, 0, s as u64)?;
             gpu.swap_in_raw(l, idx[l].ptr, window, slots, s as u64)

@@ -176,7 +176,11 @@ pub extern "C" fn kvswap_config_from_env(out: *mut KvswapConfig) -> KvswapStatus
 /// (`KVSWAP_STATUS_OUT_OF_RANGE`); `gpu_chunks` and `window` at most
 /// 2^30 - 1 (`KVSWAP_STATUS_INVALID_ARGUMENT`); `window` + a layer's slots
 /// below 2^30, so that physical ids fit an int32 (`KVSWAP_STATUS_OUT_OF_RANGE`).
-/// `KVSWAP_STATUS_TOPK_GUARD` applies only with `enable = 1`.
+/// `KVSWAP_STATUS_TOPK_GUARD` applies only with `enable = 1`. On CUDA the
+/// residency kernel keeps 20 bytes per slot in shared memory, so a swapping
+/// layer's `gpu_chunks` is also bounded by the device (about 11,500 on
+/// H100/H200, 8,200 on A100, 5,000 on sm_86/89): above it
+/// `KVSWAP_STATUS_UNSUPPORTED`, naming the device's limit.
 /// Other errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `config`, `layers` or
 /// `out`); `KVSWAP_STATUS_INVALID_ARGUMENT` (a misaligned pointer, a bad
 /// config field or layer spec, each named); `KVSWAP_STATUS_OUT_OF_MEMORY`
@@ -381,7 +385,9 @@ pub extern "C" fn kvswap_layer_staging(
 /// are cleared). `stream` (ignored on the CPU
 /// backend) is waited for as a whole first: pass the stream a graph was
 /// launched on. NULL waits for each layer's last eager call only, not for
-/// other work the engine queued (graph launches included).
+/// other work the engine queued (graph launches included). A stream being
+/// captured is refused (`KVSWAP_STATUS_INVALID_ARGUMENT`): the wait would end
+/// the capture.
 #[no_mangle]
 pub extern "C" fn kvswap_sync(ctx: *mut KvswapContext, stream: KvswapStream) -> KvswapStatus {
     boundary("kvswap_sync", || ctx_ref(ctx)?.sync_stream(stream as u64))

@@ -176,6 +176,13 @@ impl Backend for CudaBackend {
         }
         let _g = self.shared.device.bind()?;
         check_stream_device(&self.shared.device, stream as CUstream)?;
+        // A wait on a stream being captured would end (invalidate) the
+        // engine's capture: refused, as the fm_* syncs refuse it.
+        if driver::is_capturing(stream as CUstream)? {
+            return Err(Error::invalid(
+                "the stream is being captured into a CUDA graph: call kvswap_sync with it after the capture ends",
+            ));
+        }
         driver::stream_sync(stream as CUstream)
     }
 }
