@@ -188,7 +188,11 @@ pub extern "C" fn fm_scorer_info(scorer: *const FmScorer, out: *mut FmScorerInfo
 /// on the device, clearing it. With `KVSWAP_SYNC=0` on the CUDA backend a
 /// call does not wait: a NaN or infinite hidden value, key or scale then
 /// writes the top-k as -1 and is reported here (also when it was recorded by
-/// a CUDA graph's replay). On the CPU backend errors are returned at once and
+/// a CUDA graph's replay). A graph's calls use the workspace of the stream
+/// they were captured on, whatever stream the graph is launched on: their
+/// errors are reported (and cleared) by this function called with the
+/// capture stream once the launch has completed (synchronise the launch
+/// stream first; keep the capture stream alive while the graph is in use). On the CPU backend errors are returned at once and
 /// this returns KVSWAP_STATUS_OK. A stream being captured is refused
 /// (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the capture.
 /// Errors besides the recorded one: `KVSWAP_STATUS_NULL_POINTER` (NULL
@@ -414,7 +418,8 @@ pub extern "C" fn fm_bounds_topk(
 /// reports errors at once) returns KVSWAP_STATUS_OK. A stream being captured
 /// is refused (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the
 /// capture. Before any such call the device and the stream are still
-/// checked and the stream waited for. Errors besides the recorded one:
+/// checked and the stream waited for. As for `fm_scorer_sync`, a graph's
+/// calls report on the stream they were captured on. Errors besides the recorded one:
 /// `KVSWAP_STATUS_INVALID_ARGUMENT` for `device < -1` or (CUDA) the NULL
 /// (legacy) stream, `KVSWAP_STATUS_NO_DEVICE` for a CUDA ordinal without
 /// that device or driver, `KVSWAP_STATUS_WRONG_DEVICE` for a stream of

@@ -51,6 +51,26 @@ pub fn check(r: sys::CUresult, what: &str) -> Result<()> {
 /// cbindgen:ignore
 pub const MIN_DRIVER_VERSION: i32 = 12030;
 
+/// `KVSWAP_STATUS_UNSUPPORTED` below `MIN_DRIVER_VERSION` (every CUDA path
+/// checks it before its first call that needs a newer symbol: cudarc panics
+/// on a missing one). `what`: the part of kvswap that needs it.
+pub fn check_driver_version(what: &str) -> Result<()> {
+    let v = driver_version();
+    if v < MIN_DRIVER_VERSION {
+        return Err(Error::new(
+            KvswapStatus::Unsupported,
+            format!(
+                "the CUDA driver supports CUDA {}.{}; {what} needs {}.{} or newer (use the CPU backend, or update the driver)",
+                v / 1000,
+                v % 1000 / 10,
+                MIN_DRIVER_VERSION / 1000,
+                MIN_DRIVER_VERSION % 1000 / 10
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// The driver's CUDA version (e.g. 13000 for 13.0), 0 when it cannot say.
 pub fn driver_version() -> i32 {
     static VERSION: OnceLock<i32> = OnceLock::new();
@@ -369,8 +389,16 @@ impl Event {
         // SAFETY: live event.
         check(unsafe { sys::cuEventSynchronize(self.0) }, "cuEventSynchronize")
     }
-    /// Milliseconds between two recorded timing events.
+    /// Milliseconds between two recorded timing events (benchmarks). The
+    /// bindings have only `cuEventElapsedTime_v2`, a CUDA 12.8 symbol: older
+    /// drivers get `KVSWAP_STATUS_UNSUPPORTED`, not cudarc's panic.
     pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        if driver_version() < 12080 {
+            return Err(Error::new(
+                KvswapStatus::Unsupported,
+                "event timing (cuEventElapsedTime_v2) needs a CUDA 12.8 or newer driver; kvswap bench cannot time on this one",
+            ));
+        }
         let mut ms = 0f32;
         // SAFETY: both events live and recorded.
         check(unsafe { sys::cuEventElapsedTime_v2(&mut ms, self.0, end.0) }, "cuEventElapsedTime")?;

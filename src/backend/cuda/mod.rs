@@ -84,19 +84,7 @@ impl CudaBackend {
     /// process and architecture).
     pub fn new(cfg: &Config) -> Result<CudaBackend> {
         let device = Device::open(cfg.device)?;
-        let v = driver::driver_version();
-        if v < driver::MIN_DRIVER_VERSION {
-            return Err(Error::new(
-                KvswapStatus::Unsupported,
-                format!(
-                    "the CUDA driver supports CUDA {}.{}; the CUDA backend needs {}.{} or newer (use the CPU backend, or update the driver)",
-                    v / 1000,
-                    v % 1000 / 10,
-                    driver::MIN_DRIVER_VERSION / 1000,
-                    driver::MIN_DRIVER_VERSION % 1000 / 10
-                ),
-            ));
-        }
+        driver::check_driver_version("the CUDA backend")?;
         let _g = device.bind()?;
         let cubin = nvrtc::compile_cached("swap.cu", crate::kernels::SWAP_CU, device.cc)?;
         let module = Module::load(&cubin)?;

@@ -244,8 +244,10 @@ impl Launch {
 
 /// Opens `device` for a scorer; a failure says that device -1 scores on the CPU.
 fn open_device(device: i32) -> Result<Device> {
-    Device::open(device)
-        .map_err(|e| Error::new(e.status, format!("CUDA scorer on device {device}: {}; device -1 scores on the CPU", e.message)))
+    let d = Device::open(device)
+        .map_err(|e| Error::new(e.status, format!("CUDA scorer on device {device}: {}; device -1 scores on the CPU", e.message)))?;
+    driver::check_driver_version("the CUDA scorer")?;
+    Ok(d)
 }
 
 /// The engine's stream, checked (not the legacy stream; of this device).
