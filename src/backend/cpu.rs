@@ -92,12 +92,12 @@ impl CpuLayer {
         let layer = self.plan.index;
         match e {
             EntryError::OutOfRange { pos, id } => Error::out_of_range(format!(
-                "layer {layer}: selected id {id} at position {pos} is outside 0..{} (compressed_cap)",
+                "layer {layer}: selected id {id} at selection position {pos} (indices[window_len + {pos}]) is outside 0..{} (compressed_cap)",
                 self.plan.compressed_cap
             )),
             EntryError::NotStored { pos, id } => Error::new(
                 KvswapStatus::NotStored,
-                format!("layer {layer}: selected chunk {id} at position {pos} was never stored"),
+                format!("layer {layer}: selected chunk {id} at selection position {pos} (indices[window_len + {pos}]) was never stored"),
             ),
         }
     }

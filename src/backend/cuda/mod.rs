@@ -498,12 +498,12 @@ impl CudaLayer {
         let layer = self.plan.index;
         Err(match code {
             ERR_OUT_OF_RANGE => Error::out_of_range(format!(
-                "layer {layer}: selected id {id} at position {pos} is outside 0..{} (compressed_cap)",
+                "layer {layer}: selected id {id} at selection position {pos} (indices[window_len + {pos}]) is outside 0..{} (compressed_cap)",
                 self.plan.compressed_cap
             )),
             ERR_NOT_STORED => Error::new(
                 KvswapStatus::NotStored,
-                format!("layer {layer}: selected chunk {id} at position {pos} was never stored"),
+                format!("layer {layer}: selected chunk {id} at selection position {pos} (indices[window_len + {pos}]) was never stored"),
             ),
             ERR_VALIDATION => Error::new(
                 KvswapStatus::ValidationFailed,
