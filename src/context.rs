@@ -189,10 +189,7 @@ impl Context {
         if ids.len() > u32::MAX as usize {
             return Err(Error::out_of_range(format!("n = {}: a store batch holds at most {} rows", ids.len(), u32::MAX)));
         }
-        let mut checked = Vec::new();
-        checked.try_reserve_exact(ids.len()).map_err(|_| {
-            Error::new(KvswapStatus::OutOfMemory, format!("store of {} rows: cannot allocate the checked ids", ids.len()))
-        })?;
+        let mut checked = crate::error::try_vec(ids.len(), "the checked ids of a store batch")?;
         for &id in ids {
             checked.push(self.check_id(layer, id as i64)?);
         }

@@ -94,6 +94,16 @@ impl Error {
     }
 }
 
+/// An empty vector with room for `n` items, or `KVSWAP_STATUS_OUT_OF_MEMORY`
+/// naming `what` instead of the process abort an infallible allocation
+/// gives (sizes that come from the engine's arguments or files).
+pub fn try_vec<T>(n: usize, what: &str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| Error::new(KvswapStatus::OutOfMemory, format!("cannot allocate {what} ({n} entries of {} bytes)", std::mem::size_of::<T>())))?;
+    Ok(v)
+}
+
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}: {}", self.status.name(), self.message)

@@ -180,18 +180,18 @@ pub fn check_pinned_cap(required: u64, cap_mib: u64) -> Result<()> {
 /// the caller refuses batches of more than u32::MAX rows.
 pub fn dedup_last(ids: &[u32], cap: u32) -> Result<Vec<(u32, u32)>> {
     debug_assert!(ids.len() <= u32::MAX as usize);
-    let oom = |what: &str| Error::new(KvswapStatus::OutOfMemory, format!("store of {} rows: cannot allocate {what}", ids.len()));
     if ids.len() == 1 {
         return Ok(vec![(ids[0], 0)]);
     }
     let distinct = ids.len().min(cap as usize);
     let mut last = std::collections::HashMap::new();
-    last.try_reserve(distinct).map_err(|_| oom("the id table"))?;
+    last.try_reserve(distinct).map_err(|_| {
+        Error::new(KvswapStatus::OutOfMemory, format!("cannot allocate the id table of a store batch ({distinct} entries)"))
+    })?;
     for (row, &id) in ids.iter().enumerate() {
         last.insert(id, row as u32);
     }
-    let mut pairs = Vec::new();
-    pairs.try_reserve_exact(last.len()).map_err(|_| oom("the row list"))?;
+    let mut pairs = crate::error::try_vec(last.len(), "the row list of a store batch")?;
     pairs.extend(last);
     pairs.sort_unstable_by_key(|&(_, row)| row);
     Ok(pairs)

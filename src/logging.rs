@@ -108,8 +108,13 @@ impl log::Log for KvswapLogger {
     fn flush(&self) {}
 }
 
+/// The level `KVSWAP_LOG` sets, if it sets one.
+fn env_level() -> Option<log::LevelFilter> {
+    std::env::var("KVSWAP_LOG").ok().as_deref().and_then(parse_level)
+}
+
 fn level_from_env() -> log::LevelFilter {
-    std::env::var("KVSWAP_LOG").ok().as_deref().and_then(parse_level).unwrap_or(log::LevelFilter::Info)
+    env_level().unwrap_or(log::LevelFilter::Info)
 }
 
 /// A `KVSWAP_LOG` value: a level name in any case (`off`, `error`, `warn` or
@@ -130,7 +135,7 @@ pub fn parse_level(v: &str) -> Option<log::LevelFilter> {
 
 /// Whether `KVSWAP_LOG` sets a level (a blank or unknown value does not).
 pub fn level_from_env_set() -> bool {
-    std::env::var("KVSWAP_LOG").ok().as_deref().and_then(parse_level).is_some()
+    env_level().is_some()
 }
 
 /// Installs kvswap's logger unless the program has one. Idempotent.

@@ -66,14 +66,9 @@ pub struct Residency {
     miss_pos: Vec<u32>,
 }
 
-fn out_of_memory(what: &str, n: usize) -> crate::error::Error {
-    crate::error::Error::new(crate::error::KvswapStatus::OutOfMemory, format!("cannot allocate {what} ({n} entries) of a layer's residency"))
-}
-
 /// `n` copies of `v`, or OUT_OF_MEMORY instead of an abort.
 fn filled<T: Clone>(n: usize, v: T, what: &str) -> crate::error::Result<Vec<T>> {
-    let mut x = Vec::new();
-    x.try_reserve_exact(n).map_err(|_| out_of_memory(what, n))?;
+    let mut x = crate::error::try_vec(n, &format!("{what} of a layer's residency"))?;
     x.resize(n, v);
     Ok(x)
 }
@@ -90,8 +85,7 @@ impl Residency {
         let slots = if identity { cap } else { slots };
         assert!(slots > 0);
         let per_slot = if identity { 0 } else { slots as usize };
-        let mut misses = Vec::new();
-        misses.try_reserve_exact(per_slot).map_err(|_| out_of_memory("the miss list", per_slot))?;
+        let misses = crate::error::try_vec(per_slot, "the miss list of a layer's residency")?;
         let mut r = Residency {
             cap,
             slots,

@@ -474,7 +474,7 @@ pub extern "C" fn fm_bounds_build(
         // most 2^22 * 2^16 * 4 = 2^40, far below a 64-bit address space).
         let bytes = (chunks * dim as usize * 4) as u64;
         let (a, b) = (out_min as u64, out_max as u64);
-        if a < b + bytes && b < a + bytes {
+        if args::overlap(a, b, bytes) {
             return Err(Error::invalid(format!(
                 "out_min ({a:#x}) and out_max ({b:#x}) overlap: each holds {chunks} x {dim} f32 ({bytes} bytes)"
             )));

@@ -12,7 +12,7 @@ use super::args;
 use super::dtype::{f32_at_least, f32_at_most};
 use super::keys::Keys;
 use super::topk::topk;
-use crate::error::{Error, KvswapStatus, Result};
+use crate::error::{try_vec, Error, Result};
 
 /// Largest `dim` of a bounds call.
 pub const FM_MAX_BOUNDS_DIM: usize = 65536;
@@ -94,14 +94,7 @@ pub fn build(keys: &Keys, chunk_tokens: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         return Err(Error::invalid("n_tokens is 0"));
     }
     let chunks = n_chunks(keys.n_rows(), chunk_tokens);
-    let reserve = |v: &mut Vec<f32>| {
-        v.try_reserve_exact(chunks * dim).map_err(|_| {
-            Error::new(KvswapStatus::OutOfMemory, format!("bounds of {chunks} chunks x {dim}: cannot allocate {} bytes", chunks * dim * 4))
-        })
-    };
-    let (mut min, mut max) = (Vec::new(), Vec::new());
-    reserve(&mut min)?;
-    reserve(&mut max)?;
+    let (mut min, mut max) = (try_vec(chunks * dim, "the bounds")?, try_vec(chunks * dim, "the bounds")?);
     let mut row = vec![0f64; dim];
     let (mut lo, mut hi) = (vec![0f64; dim], vec![0f64; dim]);
     for c in 0..chunks {

@@ -190,11 +190,8 @@ impl Checkpoint {
             HeaderError::Bad(e) => named(e),
         })?;
         file.seek(SeekFrom::Start(0)).map_err(io)?;
-        let mut image = Vec::new();
         let size = usize::try_from(len).map_err(|_| named(bad(format!("{len} bytes do not fit this machine's address space"))))?;
-        image.try_reserve_exact(size).map_err(|_| {
-            Error::new(KvswapStatus::OutOfMemory, format!("checkpoint {}: cannot allocate {len} bytes to read it", path.display()))
-        })?;
+        let mut image = crate::error::try_vec(size, "the checkpoint's bytes").map_err(named)?;
         file.read_to_end(&mut image).map_err(io)?;
         Checkpoint::from_bytes(image).map_err(named)
     }

@@ -163,14 +163,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let _g = self.shared.device.bind()?;
-        check_stream_device(&self.shared.device, stream as CUstream)?;
-        // A wait on a stream being captured would end (invalidate) the
-        // engine's capture: refused, as the fm_* syncs refuse it.
-        if driver::is_capturing(stream as CUstream)? {
-            return Err(Error::invalid(
-                "the stream is being captured into a CUDA graph: call kvswap_sync with it after the capture ends",
-            ));
-        }
+        check_waitable(&self.shared.device, stream as CUstream, "call kvswap_sync with it")?;
         driver::stream_sync(stream as CUstream)
     }
 }
@@ -182,6 +175,17 @@ pub(crate) const CU_STREAM_PER_THREAD: usize = 2;
 /// gpu_chunks near 2^30 the u32 product would wrap past the limit check).
 fn swap_smem(count: u32, slots: u32) -> u64 {
     4 * (3 * count as u64 + 2 * slots as u64)
+}
+
+/// The engine's stream `s` (of `device`, bound) checked for a host wait:
+/// refused while it is being captured into a CUDA graph, as the wait would
+/// end the capture. `what`: what to do after the capture ends.
+pub(crate) fn check_waitable(device: &Device, s: CUstream, what: &str) -> Result<()> {
+    check_stream_device(device, s)?;
+    if driver::is_capturing(s)? {
+        return Err(Error::invalid(format!("the stream is being captured into a CUDA graph: {what} after the capture ends")));
+    }
+    Ok(())
 }
 
 /// Refuses the legacy default stream and streams of other devices.

@@ -257,17 +257,6 @@ fn check_stream(device: &Device, stream: StreamHandle) -> Result<CUstream> {
     Ok(s)
 }
 
-/// `stream` checked (of `device`) for a host wait: refused while it is being
-/// captured into a CUDA graph (the wait would end the capture). `what`:
-/// what the caller reads after the wait.
-fn check_waitable(device: &Device, stream: StreamHandle, what: &str) -> Result<CUstream> {
-    let s = check_stream(device, stream)?;
-    if driver::is_capturing(s)? {
-        return Err(Error::invalid(format!("the stream is being captured into a CUDA graph: {what} after the capture ends")));
-    }
-    Ok(s)
-}
-
 fn check_device_ptr(device: &Device, ptr: u64, bytes: u64, what: &str) -> Result<()> {
     super::check_device_range(device, ptr, bytes, what).map(|_| ())
 }
@@ -334,7 +323,8 @@ impl Workspaces {
     /// returned.
     fn sync_errors(&self, device: &Device, stream: StreamHandle) -> Result<()> {
         let _g = device.bind()?;
-        let s = check_waitable(device, stream, "wait for it")?;
+        let s = stream as CUstream;
+        super::check_waitable(device, s, "wait for it")?;
         driver::stream_sync(s)?;
         let key = workspace_key(s);
         let mut first = Ok(());
@@ -736,7 +726,8 @@ impl CudaScorer {
     pub fn last_candidates(&self, stream: StreamHandle) -> Result<Option<(u32, u32)>> {
         let dev = self.device();
         let _g = dev.bind()?;
-        let s = check_waitable(dev, stream, "read the counts")?;
+        let s = stream as CUstream;
+        super::check_waitable(dev, s, "read the counts")?;
         let slot = self.workspaces.slot(s);
         let held = slot.lock().unwrap_or_else(|p| p.into_inner());
         let Some(ws) = held.as_ref() else { return Ok(None) };
@@ -877,8 +868,8 @@ impl CudaBounds {
         }
         let dev = open_device(device)?;
         let _g = dev.bind()?;
-        let s = check_waitable(&dev, stream, "wait for it")?;
-        driver::stream_sync(s)
+        super::check_waitable(&dev, stream as CUstream, "wait for it")?;
+        driver::stream_sync(stream as CUstream)
     }
 
     /// The bounds scorer of `device`, created once per process.
