@@ -21,7 +21,8 @@ def main():
     print(f"# {kv['device']}: kvswap beside PyTorch (CUDA-graph replay, same shapes, same session)")
     print("# kvswap_us and torch_us: one call per graph, median of event-timed replays (the baseline's method);")
     print("# back2back_us: kvswap per call of 20 calls in one graph (a decode loop), for reference only")
-    print(f"# floor = bytes read once / {kv['copy_gbps']:.0f} GB/s measured device copy; PyTorch has no fp8 path: "
+    read = f" (a streaming read reaches {kv['read_gbps']:.0f} GB/s)" if "read_gbps" in kv else ""
+    print(f"# floor = bytes read once / {kv['copy_gbps']:.0f} GB/s measured device copy{read}; PyTorch has no fp8 path: "
           "fp8 rows are compared with PyTorch on bf16 keys")
     print(f"{'scope':>6} {'keys':>5} {'chunks':>9} {'kvswap_us':>10} {'back2back_us':>13} {'torch_us':>9} {'vs_torch':>9} "
           f"{'floor_us':>9} {'x_floor':>8} {'vs_10ms':>8}")

@@ -9,7 +9,7 @@
 //! (a swap-in rewrites it in place); the same graph without the swap-ins is
 //! timed too and subtracted, and both figures are reported.
 
-use crate::backend::cuda::driver::{self, Device, DeviceBuffer, Event, Graph, OwnedStream, PinnedBuffer};
+use crate::backend::cuda::driver::{self, kernel_params, Device, DeviceBuffer, Event, Graph, Module, OwnedStream, PinnedBuffer};
 use crate::{BackendChoice, Config, Context, KvswapLayerSpec, Result};
 use cudarc::driver::sys;
 use serde::Serialize;
@@ -600,6 +600,10 @@ pub struct FmReport {
     pub device: String,
     /// Device-to-device copy, bytes read + written per second (GB/s).
     pub copy_gbps: f64,
+    /// A streaming read of the same buffer (kernels/bench.cu), bytes read per
+    /// second (GB/s): what a kernel that only reads, as the projections and
+    /// the scoring do, can reach. The floors use the copy rate.
+    pub read_gbps: f64,
     pub scorers: usize,
     pub heads: usize,
     pub head_dim: usize,
@@ -699,6 +703,23 @@ impl FmBench<'_> {
 /// The FlashMemory scorer benchmark: `score` (q and w given) and `full`
 /// (with the projections) scopes, bf16 and fp8 keys, the batched form, and a
 /// whole decode step (scorer -> swap-in of 21 layers sharing the top-k).
+/// Bytes per second (GB/s) a streaming read of `bytes` of `buf` reaches
+/// (kvswap_read_probe: four 16-byte loads in flight per thread, a full
+/// device of threads, nothing written).
+fn read_rate(dev: &Device, buf: &DeviceBuffer, bytes: usize, s: sys::CUstream, rounds: usize) -> Result<f64> {
+    let cubin = crate::backend::cuda::nvrtc::compile_cached("bench.cu", crate::kernels::BENCH_CU, dev.cc)?;
+    let module = Module::load(&cubin)?;
+    let probe = module.function(c"kvswap_read_probe")?;
+    let blocks = 8 * dev.sm_count as u32;
+    let out = DeviceBuffer::alloc(4 * blocks as usize, "read probe out")?;
+    let (mut p, mut n, mut never, mut o) = (buf.ptr, (bytes / 16) as u64, 0x9E37_79B9u32, out.ptr);
+    let mut params = kernel_params![p, n, never, o];
+    // SAFETY: parameters match kvswap_read_probe(const uint4*, u64, u32,
+    // u32*); p holds n 16-byte items, o one u32 per block.
+    let ms = time_ms(s, rounds, || unsafe { probe.launch(blocks, 256, 0, s, &mut params) })?;
+    Ok(bytes as f64 / (ms * 1e-3) / 1e9)
+}
+
 pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
     let dev = Device::open(device)?;
     let _g = dev.bind()?;
@@ -710,6 +731,7 @@ pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
     let (a, b) = (DeviceBuffer::alloc(copy_bytes, "copy a")?, DeviceBuffer::alloc(copy_bytes, "copy b")?);
     let copy_ms = time_ms(s, rounds, || dtod(b.ptr, a.ptr, copy_bytes, s))?;
     let copy_gbps = 2.0 * copy_bytes as f64 / (copy_ms * 1e-3) / 1e9;
+    let read_gbps = read_rate(&dev, &a, copy_bytes, s, rounds)?;
     drop((a, b));
 
     let meta = Meta { n_scorers: 3, hidden: 4096, n_heads: 64, head_dim: 128, ensemble: crate::config::Ensemble::Max };
@@ -827,6 +849,7 @@ pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
     Ok(FmReport {
         device: format!("{} (sm_{}{}, {} SMs)", dev.name, dev.cc.0, dev.cc.1, dev.sm_count),
         copy_gbps,
+        read_gbps,
         scorers: sc,
         heads: h,
         head_dim: d,
@@ -913,8 +936,8 @@ fn decode_step(bench: &FmBench, hidden0: &DeviceBuffer, chunks: usize, k: usize)
 
 pub fn render_fm(r: &FmReport) -> String {
     let mut s = format!(
-        "# FlashMemory scorer on {}: {} scorers x {} heads x {} dims, hidden {}, bf16 weights {:.1} MB; device copy {:.0} GB/s (read+write)\n",
-        r.device, r.scorers, r.heads, r.head_dim, r.hidden, r.weight_bytes as f64 / 1e6, r.copy_gbps
+        "# FlashMemory scorer on {}: {} scorers x {} heads x {} dims, hidden {}, bf16 weights {:.1} MB; device copy {:.0} GB/s (read+write), read {:.0} GB/s\n",
+        r.device, r.scorers, r.heads, r.head_dim, r.hidden, r.weight_bytes as f64 / 1e6, r.copy_gbps, r.read_gbps
     );
     s += &format!(
         "{:>6} {:>5} {:>9} {:>5} {:>11} {:>13} {:>10} {:>9} {:>9}\n",

@@ -26,6 +26,9 @@ pub const SCORER_CU: &str = concat!(
     include_str!("../kernels/scorer/topk.cu"),
 );
 
+/// Benchmark probes of `kvswap bench` (the device's read rate).
+pub const BENCH_CU: &str = concat!(include_str!("../kernels/common.cuh"), "\n", include_str!("../kernels/bench.cu"));
+
 /// Every kernel source, by file name (CI compiles each with NVRTC; the scorer
 /// with its default shape, 3 scorers x 64 heads x 128 dims).
-pub const ALL: &[(&str, &str)] = &[("swap.cu", SWAP_CU), ("scorer.cu", SCORER_CU)];
+pub const ALL: &[(&str, &str)] = &[("swap.cu", SWAP_CU), ("scorer.cu", SCORER_CU), ("bench.cu", BENCH_CU)];
