@@ -324,9 +324,13 @@ enum KvswapStatus kvswap_config_from_env(struct KvswapConfig *out);
 // (`KVSWAP_STATUS_TOPK_GUARD`), pinned host tier over `pinned_mib`
 // (`KVSWAP_STATUS_PINNED_CAP`), zero sizes, more than KVSWAP_MAX_LAYERS
 // layers (`KVSWAP_STATUS_OUT_OF_RANGE`), and no CUDA device for an explicit
-// CUDA backend (`KVSWAP_STATUS_NO_DEVICE`; also with `auto` when the driver
-// has devices but not `device`: `auto` falls back to the CPU only where
-// there is no GPU). Engine-owned staging buffers
+// CUDA backend (`KVSWAP_STATUS_NO_DEVICE`). `auto` falls back to the CPU
+// only where there is no CUDA driver or the driver reports no device; on a
+// machine with devices it returns the CUDA backend's error instead (the
+// device asked for is missing: `KVSWAP_STATUS_NO_DEVICE`, as is NVRTC
+// missing; a driver too old: `KVSWAP_STATUS_UNSUPPORTED`), since a CPU
+// context would read the engine's device pointers as host memory; set
+// the backend to cpu for the CPU there. Engine-owned staging buffers
 // (`KvswapLayerSpec.staging`) of different layers must not overlap: each
 // layer takes its rows for its own slots (not checked).
 // Limits: `compressed_cap` below 2^30 - 1 and `chunk_bytes` at most 1 GiB
@@ -342,7 +346,8 @@ enum KvswapStatus kvswap_config_from_env(struct KvswapConfig *out);
 // `out`); `KVSWAP_STATUS_INVALID_ARGUMENT` (a misaligned pointer, a bad
 // config field or layer spec, each named); `KVSWAP_STATUS_OUT_OF_MEMORY`
 // (host tier or staging); on CUDA `KVSWAP_STATUS_UNSUPPORTED` (a driver
-// older than CUDA 12.3) and `KVSWAP_STATUS_DEVICE_ERROR`.
+// older than CUDA 12.3, or one of an older CUDA major version than NVRTC)
+// and `KVSWAP_STATUS_DEVICE_ERROR`.
 enum KvswapStatus kvswap_create(const struct KvswapConfig *config,
                                 const struct KvswapLayerSpec *layers,
                                 size_t n_layers,
@@ -409,6 +414,11 @@ enum KvswapStatus kvswap_store_batch(struct KvswapContext *ctx,
 // end of its allocation); `KVSWAP_STATUS_WRONG_DEVICE` and
 // `KVSWAP_STATUS_DEVICE_ERROR` (CUDA); `KVSWAP_STATUS_PANIC` (a layer left
 // unusable by an earlier panic). `count` 0 is a call that selects nothing.
+// On CUDA, if the copy kernel of an eager call cannot be launched (twice)
+// after the residency kernel was queued, the layer's slots no longer match
+// their chunks: that call, every later swap-in of the layer and
+// `kvswap_sync` return `KVSWAP_STATUS_DEVICE_ERROR` saying so, and the
+// context must be destroyed and created again.
 // kvswap's kernels allow programmatic dependent launch: an engine kernel
 // launched as a programmatic dependent of this call must wait
 // (`cudaGridDependencySynchronize`) before it reads the indices or the
@@ -528,19 +538,21 @@ enum KvswapStatus fm_scorer_info(const struct FmScorer *scorer, struct FmScorerI
 // on the device, clearing it. With `KVSWAP_SYNC=0` on the CUDA backend a
 // call does not wait: a NaN or infinite hidden value, key or scale then
 // writes the top-k as -1 and is reported here (also when it was recorded by
-// a CUDA graph's replay). A graph's calls use the workspace of the stream
-// they were captured on, whatever stream the graph is launched on: their
-// errors are reported (and cleared) by this function called with the
-// capture stream once the launch has completed (synchronise the launch
-// stream first; keep the capture stream alive while the graph is in use). On the CPU backend errors are returned at once and
+// a CUDA graph's replay). A graph's calls record their errors where they
+// were captured, whatever stream the graph is launched on; this function
+// also returns (and clears) the errors recorded for the streams that calls
+// were captured on, so the launch stream's sync reports a graph's error
+// (as does the capture stream's). An error of an eager call made on a
+// stream that calls were also captured on may so be returned by another
+// stream's sync; every error is returned once. Keep the capture stream
+// alive while the graph is in use. On the CPU backend errors are returned at once and
 // this returns KVSWAP_STATUS_OK. A stream being captured is refused
 // (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the capture.
 // Errors besides the recorded one: `KVSWAP_STATUS_NULL_POINTER` (NULL
 // `scorer`); on CUDA `KVSWAP_STATUS_INVALID_ARGUMENT` for the NULL (legacy)
 // stream, `KVSWAP_STATUS_WRONG_DEVICE` for a stream of another device,
 // `KVSWAP_STATUS_DEVICE_ERROR` when the wait fails.
-enum KvswapStatus fm_scorer_sync(const struct FmScorer *scorer,
-                                 KvswapStream stream);
+enum KvswapStatus fm_scorer_sync(const struct FmScorer *scorer, KvswapStream stream);
 
 // Overrides the checkpoint's ensemble: `KVSWAP_ENSEMBLE_MAX` or
 // `KVSWAP_ENSEMBLE_MEAN`. Applies to calls that start after it returns.
@@ -687,7 +699,8 @@ enum KvswapStatus fm_bounds_topk(int32_t device,
 // is refused (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the
 // capture. Before any such call the device and the stream are still
 // checked and the stream waited for. As for `fm_scorer_sync`, a graph's
-// calls report on the stream they were captured on. Errors besides the recorded one:
+// errors are returned by the sync of the stream it was launched on (or
+// captured on). Errors besides the recorded one:
 // `KVSWAP_STATUS_INVALID_ARGUMENT` for `device < -1` or (CUDA) the NULL
 // (legacy) stream, `KVSWAP_STATUS_NO_DEVICE` for a CUDA ordinal without
 // that device or driver, `KVSWAP_STATUS_WRONG_DEVICE` for a stream of

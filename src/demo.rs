@@ -415,7 +415,7 @@ fn prefill(ctx: &Context, p: &DemoParams) -> Result<()> {
 fn open_prefilled(p: &DemoParams) -> Result<(Context, Option<String>)> {
     let ctx = create_context(p, p.backend)?;
     let auto_note = (p.backend == BackendChoice::Auto && ctx.backend_kind() == BackendKind::Cpu).then(|| {
-        "backend auto found no usable CUDA build or device; running on the CPU backend (--verbose shows why)"
+        "backend auto found no CUDA build, driver or device; running on the CPU backend (--verbose shows why)"
             .to_string()
     });
     prefill(&ctx, p)?;

@@ -338,6 +338,95 @@ fn bad_device_ordinal_is_no_device() {
     assert_eq!(e.status, kvswap::KvswapStatus::NoDevice, "{e}");
 }
 
+/// A swap-in whose gather kernel cannot be launched after the residency
+/// kernel ran: one refused attempt is retried as a plain launch (the bytes
+/// arrive, equal to the CPU backend's); two leave the layer refusing every
+/// later swap-in and sync with DEVICE_ERROR (its slots are mapped to chunks
+/// never copied), while the other layers go on. The faults are injected
+/// through a test hook (`fail_gather_launches`); tests run one at a time.
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn gather_launch_failure_is_retried_then_breaks_the_layer() {
+    let mut rng = Rng::fresh("gpu gather launch failure");
+    let specs = [spec(64, 512), spec(64, 512)];
+    let cpu = Context::new(config(BackendChoice::Cpu, 16, true), &specs).unwrap();
+    let gpu = Context::new(config(BackendChoice::Cuda, 16, true), &specs).unwrap();
+    let ids: Vec<i32> = (0..32).collect();
+    let mut rows = vec![0u8; 32 * 512];
+    rng.fill(&mut rows);
+    for layer in 0..2 {
+        cpu.store_rows(layer, &ids, &rows).unwrap();
+        gpu.store_rows(layer, &ids, &rows).unwrap();
+    }
+    let check = |layer: usize, sel: &[i32]| {
+        let (mut a, mut b) = (sel.to_vec(), sel.to_vec());
+        cpu.swap_in(layer, &mut a, 0).unwrap();
+        gpu.swap_in(layer, &mut b, 0).unwrap();
+        assert_eq!(a, b, "layer {layer}: indices");
+        for &p in &a {
+            assert_eq!(cpu.slot_bytes(layer, p as u32).unwrap(), gpu.slot_bytes(layer, p as u32).unwrap(), "layer {layer} slot {p}");
+        }
+    };
+    check(0, &[0, 1, 2, 3]);
+    // One refused attempt: the retry copies the misses.
+    kvswap::backend::cuda::fail_gather_launches(1);
+    check(0, &[4, 5, 6, 7]);
+    // Both attempts refused: this call and every later swap-in fail.
+    kvswap::backend::cuda::fail_gather_launches(2);
+    let mut sel = vec![8, 9, 10, 11];
+    let e = gpu.swap_in(0, &mut sel, 0).unwrap_err();
+    assert_eq!(e.status, kvswap::KvswapStatus::DeviceError, "{e}");
+    assert!(e.message.contains("layer 0") && e.message.contains("never copied"), "{e}");
+    let mut sel = vec![0, 1];
+    let e = gpu.swap_in(0, &mut sel, 0).unwrap_err();
+    assert!(e.message.contains("never copied"), "a later swap-in: {e}");
+    assert_eq!(sel, vec![0, 1], "a refused call leaves the indices");
+    assert!(gpu.sync().unwrap_err().message.contains("never copied"), "sync reports it");
+    // Layer 1 is untouched by layer 0's failure.
+    check(1, &[8, 9, 10, 11]);
+}
+
+/// `auto` on a machine with a GPU where the CUDA backend cannot start (here:
+/// NVRTC cannot be loaded) is an error, not a CPU context (which would read
+/// the engine's device pointers as host memory); an explicit `cpu` still
+/// works. The test runs itself again as a child process whose
+/// LD_LIBRARY_PATH starts with a folder of files that are not libraries,
+/// one under every name cudarc tries for NVRTC (the loader stops at the
+/// first file of a name, so the real NVRTC is never reached).
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn auto_with_a_gpu_but_no_nvrtc_is_refused() {
+    const CHILD: &str = "KVSWAP_TEST_AUTO_NO_NVRTC_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        assert!(!kvswap::backend::cuda::nvrtc::available(), "the child still loads NVRTC");
+        let e = Context::new(config(BackendChoice::Auto, 512, true), &[spec(1024, 2048)]).err().expect("auto must be refused");
+        assert_eq!(e.status, kvswap::KvswapStatus::NoDevice, "{e}");
+        assert!(e.message.contains("NVRTC not found") && e.message.contains("KVSWAP_BACKEND=auto"), "{e}");
+        let e = Context::new(config(BackendChoice::Cuda, 512, true), &[spec(1024, 2048)]).err().expect("cuda must be refused");
+        assert_eq!(e.status, kvswap::KvswapStatus::NoDevice, "{e}");
+        Context::new(config(BackendChoice::Cpu, 512, true), &[spec(1024, 2048)]).expect("the CPU backend needs no NVRTC");
+        return;
+    }
+    let fake = std::env::temp_dir().join(format!("kvswap-no-nvrtc-{}", std::process::id()));
+    std::fs::create_dir_all(&fake).unwrap();
+    for name in cudarc::get_lib_name_candidates("nvrtc") {
+        std::fs::write(fake.join(name), b"not a library").unwrap();
+    }
+    let path = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(p) if !p.is_empty() => format!("{}:{p}", fake.display()),
+        _ => fake.display().to_string(),
+    };
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "auto_with_a_gpu_but_no_nvrtc_is_refused", "--test-threads=1", "--nocapture"])
+        .env(CHILD, "1")
+        .env("LD_LIBRARY_PATH", path)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&fake);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("1 passed"), "the child failed:\n{text}");
+}
+
 /// A stream of another CUDA context is refused with WRONG_DEVICE and changes
 /// nothing (on one GPU, a second context on the same device stands in for
 /// another device; `multi_gpu_pointers_of_another_device_are_refused` covers

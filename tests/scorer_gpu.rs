@@ -813,6 +813,18 @@ fn cuda_scorer_graph_replay_reports_nan_through_sync() {
     assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
     assert!(e.message.contains("scorer 2") && e.message.contains("position 17"), "{e}");
     scorer.sync(st as u64).unwrap();
+    // Launched on another stream than it was captured on (as PyTorch does):
+    // that stream's sync reports the error, once, and the capture stream's
+    // sync has nothing left to report.
+    let other = OwnedStream::new().unwrap();
+    d.upload_into(&bufs.out, &vec![0x5au8; 4 * k as usize]);
+    graph.launch(other.0).unwrap();
+    let e = scorer.sync(other.0 as u64).unwrap_err();
+    assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "replay on another stream: {e}");
+    assert!(e.message.contains("scorer 2") && e.message.contains("position 17"), "{e}");
+    assert!(d.download_i32(&bufs.out, k as usize).iter().all(|&x| x == -1), "a NaN replay on another stream writes -1");
+    scorer.sync(other.0 as u64).unwrap();
+    scorer.sync(st as u64).unwrap();
     hidden[2 * hid as usize + 17] = saved;
     d.upload_into(&bufs.hidden, &f32_bytes(&hidden));
     check_topk(&replay(), &scores, &tol, k as usize, "replay after the error");

@@ -2,7 +2,7 @@
 //! the reference) and a CUDA implementation.
 
 use crate::config::{BackendChoice, Config};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::layer::{KvswapLayerStats, LayerPlan, StagingView};
 
 pub mod cpu;
@@ -90,36 +90,51 @@ pub trait Backend: Send + Sync {
     }
 }
 
-/// Picks the backend for `cfg`: `auto` prefers CUDA and falls back to the CPU
-/// with one log line saying why.
+/// Picks the backend for `cfg`: `auto` prefers CUDA and falls back to the
+/// CPU, with one log line saying why, only where the driver reports no
+/// CUDA device (or there is no driver). With devices present, a CUDA
+/// backend that cannot start (the device asked for is missing, the driver is
+/// too old, NVRTC is missing) is an error: a CPU context would read the
+/// engine's device pointers as host memory.
 pub fn select(cfg: &Config) -> Result<Box<dyn Backend>> {
     match cfg.backend {
         BackendChoice::Cpu => Ok(Box::new(cpu::CpuBackend)),
         BackendChoice::Cuda => cuda_backend(cfg),
         BackendChoice::Auto => match cuda_backend(cfg) {
             Ok(b) => Ok(b),
-            // GPUs present but not the one asked for: a configuration error,
-            // not "no GPU here" (a CPU context would read the engine's device
-            // pointers as host memory).
-            Err(e) if device_missing(cfg.device) => Err(e),
-            Err(e) => {
-                log::info!("kvswap: backend=cpu reason={:?}", e.message);
-                Ok(Box::new(cpu::CpuBackend))
-            }
+            Err(e) => match cuda_device_count() {
+                Some(n) => Err(Error::new(e.status, format!("{}{}", e.message, auto_refusal(n)))),
+                None => {
+                    log::info!("kvswap: backend=cpu reason={:?}", e.message);
+                    Ok(Box::new(cpu::CpuBackend))
+                }
+            },
         },
     }
 }
 
-/// Whether the driver reports devices, but none with this ordinal (a
-/// configuration error where `auto` would otherwise fall back to the CPU).
+/// What `auto` adds to the CUDA backend's error on a machine with `n` CUDA
+/// devices (it does not fall back to the CPU there).
+pub fn auto_refusal(n: i32) -> String {
+    format!(
+        " (KVSWAP_BACKEND=auto: the driver reports {n} CUDA device(s), so there is no fall back to the CPU backend, \
+         which would read device pointers as host memory; set KVSWAP_BACKEND=cpu to use it)"
+    )
+}
+
+/// The number of CUDA devices the driver reports, None where there is no
+/// driver or no device (where `auto` falls back to the CPU).
 #[cfg(feature = "cuda")]
-pub fn device_missing(ordinal: i32) -> bool {
-    matches!(cuda::driver::device_count(), Ok(n) if n > 0 && ordinal >= n)
+pub fn cuda_device_count() -> Option<i32> {
+    match cuda::driver::device_count() {
+        Ok(n) if n > 0 => Some(n),
+        _ => None,
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
-pub fn device_missing(_ordinal: i32) -> bool {
-    false
+pub fn cuda_device_count() -> Option<i32> {
+    None
 }
 
 #[cfg(feature = "cuda")]

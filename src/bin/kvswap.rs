@@ -273,7 +273,7 @@ fn cmd_bench(a: BenchArgs) -> Result<(), Failure> {
                 }
                 return Ok(());
             }
-            Err(e) if backend == BackendChoice::Auto && e.status == kvswap::KvswapStatus::NoDevice && !kvswap::backend::device_missing(a.device) => {
+            Err(e) if backend == BackendChoice::Auto && kvswap::backend::cuda_device_count().is_none() => {
                 emit(&format!("note: no CUDA device ({}); measuring the CPU backend\n\n", e.message))?;
             }
             Err(e) => return Err(e.into()),
@@ -478,7 +478,7 @@ fn runtime_error(p: &DemoParams, e: kvswap::Error) -> Failure {
     let hint = match (e.status, p.backend) {
         (kvswap::KvswapStatus::NoDevice, BackendChoice::Cuda) => {
             "--backend cuda was asked for explicitly, so the demo does not fall back; \
-             use --backend cpu (or auto, which falls back to the CPU with a note)"
+             use --backend cpu (or auto, which falls back to the CPU with a note where the driver reports no device)"
         }
         _ => return e.into(),
     };

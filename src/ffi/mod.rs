@@ -167,9 +167,13 @@ pub extern "C" fn kvswap_config_from_env(out: *mut KvswapConfig) -> KvswapStatus
 /// (`KVSWAP_STATUS_TOPK_GUARD`), pinned host tier over `pinned_mib`
 /// (`KVSWAP_STATUS_PINNED_CAP`), zero sizes, more than KVSWAP_MAX_LAYERS
 /// layers (`KVSWAP_STATUS_OUT_OF_RANGE`), and no CUDA device for an explicit
-/// CUDA backend (`KVSWAP_STATUS_NO_DEVICE`; also with `auto` when the driver
-/// has devices but not `device`: `auto` falls back to the CPU only where
-/// there is no GPU). Engine-owned staging buffers
+/// CUDA backend (`KVSWAP_STATUS_NO_DEVICE`). `auto` falls back to the CPU
+/// only where there is no CUDA driver or the driver reports no device; on a
+/// machine with devices it returns the CUDA backend's error instead (the
+/// device asked for is missing: `KVSWAP_STATUS_NO_DEVICE`, as is NVRTC
+/// missing; a driver too old: `KVSWAP_STATUS_UNSUPPORTED`), since a CPU
+/// context would read the engine's device pointers as host memory; set
+/// the backend to cpu for the CPU there. Engine-owned staging buffers
 /// (`KvswapLayerSpec.staging`) of different layers must not overlap: each
 /// layer takes its rows for its own slots (not checked).
 /// Limits: `compressed_cap` below 2^30 - 1 and `chunk_bytes` at most 1 GiB
@@ -185,7 +189,8 @@ pub extern "C" fn kvswap_config_from_env(out: *mut KvswapConfig) -> KvswapStatus
 /// `out`); `KVSWAP_STATUS_INVALID_ARGUMENT` (a misaligned pointer, a bad
 /// config field or layer spec, each named); `KVSWAP_STATUS_OUT_OF_MEMORY`
 /// (host tier or staging); on CUDA `KVSWAP_STATUS_UNSUPPORTED` (a driver
-/// older than CUDA 12.3) and `KVSWAP_STATUS_DEVICE_ERROR`.
+/// older than CUDA 12.3, or one of an older CUDA major version than NVRTC)
+/// and `KVSWAP_STATUS_DEVICE_ERROR`.
 #[no_mangle]
 pub extern "C" fn kvswap_create(
     config: *const KvswapConfig,
@@ -311,6 +316,11 @@ pub extern "C" fn kvswap_store_batch(
 /// end of its allocation); `KVSWAP_STATUS_WRONG_DEVICE` and
 /// `KVSWAP_STATUS_DEVICE_ERROR` (CUDA); `KVSWAP_STATUS_PANIC` (a layer left
 /// unusable by an earlier panic). `count` 0 is a call that selects nothing.
+/// On CUDA, if the copy kernel of an eager call cannot be launched (twice)
+/// after the residency kernel was queued, the layer's slots no longer match
+/// their chunks: that call, every later swap-in of the layer and
+/// `kvswap_sync` return `KVSWAP_STATUS_DEVICE_ERROR` saying so, and the
+/// context must be destroyed and created again.
 /// kvswap's kernels allow programmatic dependent launch: an engine kernel
 /// launched as a programmatic dependent of this call must wait
 /// (`cudaGridDependencySynchronize`) before it reads the indices or the

@@ -188,11 +188,14 @@ pub extern "C" fn fm_scorer_info(scorer: *const FmScorer, out: *mut FmScorerInfo
 /// on the device, clearing it. With `KVSWAP_SYNC=0` on the CUDA backend a
 /// call does not wait: a NaN or infinite hidden value, key or scale then
 /// writes the top-k as -1 and is reported here (also when it was recorded by
-/// a CUDA graph's replay). A graph's calls use the workspace of the stream
-/// they were captured on, whatever stream the graph is launched on: their
-/// errors are reported (and cleared) by this function called with the
-/// capture stream once the launch has completed (synchronise the launch
-/// stream first; keep the capture stream alive while the graph is in use). On the CPU backend errors are returned at once and
+/// a CUDA graph's replay). A graph's calls record their errors where they
+/// were captured, whatever stream the graph is launched on; this function
+/// also returns (and clears) the errors recorded for the streams that calls
+/// were captured on, so the launch stream's sync reports a graph's error
+/// (as does the capture stream's). An error of an eager call made on a
+/// stream that calls were also captured on may so be returned by another
+/// stream's sync; every error is returned once. Keep the capture stream
+/// alive while the graph is in use. On the CPU backend errors are returned at once and
 /// this returns KVSWAP_STATUS_OK. A stream being captured is refused
 /// (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the capture.
 /// Errors besides the recorded one: `KVSWAP_STATUS_NULL_POINTER` (NULL
@@ -419,7 +422,8 @@ pub extern "C" fn fm_bounds_topk(
 /// is refused (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the
 /// capture. Before any such call the device and the stream are still
 /// checked and the stream waited for. As for `fm_scorer_sync`, a graph's
-/// calls report on the stream they were captured on. Errors besides the recorded one:
+/// errors are returned by the sync of the stream it was launched on (or
+/// captured on). Errors besides the recorded one:
 /// `KVSWAP_STATUS_INVALID_ARGUMENT` for `device < -1` or (CUDA) the NULL
 /// (legacy) stream, `KVSWAP_STATUS_NO_DEVICE` for a CUDA ordinal without
 /// that device or driver, `KVSWAP_STATUS_WRONG_DEVICE` for a stream of

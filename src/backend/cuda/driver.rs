@@ -53,9 +53,41 @@ pub const MIN_DRIVER_VERSION: i32 = 12030;
 
 /// `KVSWAP_STATUS_UNSUPPORTED` below `MIN_DRIVER_VERSION` (every CUDA path
 /// checks it before its first call that needs a newer symbol: cudarc panics
-/// on a missing one). `what`: the part of kvswap that needs it.
+/// on a missing one), or when the NVRTC found is of a newer CUDA major
+/// version than the driver (its CUBINs would not load).
+/// `what`: the part of kvswap that needs it.
 pub fn check_driver_version(what: &str) -> Result<()> {
     let v = driver_version();
+    check_min_driver(v, what)?;
+    if super::nvrtc::available() {
+        check_nvrtc_major(super::nvrtc::version()?, v, what)?;
+    }
+    Ok(())
+}
+
+/// The NVRTC (major, minor) against the driver's CUDA version `driver`: a
+/// CUBIN of NVRTC major M needs a driver of major M or newer (CUDA's
+/// minor-version compatibility holds within one major only).
+pub fn check_nvrtc_major(nvrtc: (i32, i32), driver: i32, what: &str) -> Result<()> {
+    if nvrtc.0 > driver / 1000 {
+        return Err(Error::new(
+            KvswapStatus::Unsupported,
+            format!(
+                "NVRTC {}.{} makes kernels for CUDA {} drivers, but the driver supports CUDA {}.{}: {what} cannot load them \
+                 (update the driver, or put an NVRTC of CUDA {} first on LD_LIBRARY_PATH)",
+                nvrtc.0,
+                nvrtc.1,
+                nvrtc.0,
+                driver / 1000,
+                driver % 1000 / 10,
+                driver / 1000
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn check_min_driver(v: i32, what: &str) -> Result<()> {
     if v < MIN_DRIVER_VERSION {
         return Err(Error::new(
             KvswapStatus::Unsupported,
@@ -413,8 +445,9 @@ impl Drop for Event {
     }
 }
 
-/// A loaded module and its kernels.
-pub struct Module(sys::CUmodule);
+/// A loaded module and its kernels, with the context it was loaded in
+/// (`cuModuleUnload` acts on the current context, so the drop binds it).
+pub struct Module(sys::CUmodule, CUcontext);
 
 // SAFETY: module and function handles may be used from any thread.
 unsafe impl Send for Module {}
@@ -424,9 +457,12 @@ impl Module {
     /// Loads a CUBIN image (the device's context must be current).
     pub fn load(image: &[u8]) -> Result<Module> {
         let mut m: sys::CUmodule = std::ptr::null_mut();
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: out-pointer is a local.
+        check(unsafe { sys::cuCtxGetCurrent(&mut ctx) }, "cuCtxGetCurrent")?;
         // SAFETY: image is a complete CUBIN produced by NVRTC.
         check(unsafe { sys::cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) }, "cuModuleLoadData")?;
-        Ok(Module(m))
+        Ok(Module(m, ctx))
     }
     pub fn function(&self, name: &CStr) -> Result<Kernel> {
         let mut f: CUfunction = std::ptr::null_mut();
@@ -438,8 +474,18 @@ impl Module {
 
 impl Drop for Module {
     fn drop(&mut self) {
-        // SAFETY: loaded by cuModuleLoadData.
-        unsafe { sys::cuModuleUnload(self.0) };
+        // SAFETY: loaded by cuModuleLoadData in context self.1, a retained
+        // primary context (its `Device` is dropped after the module: every
+        // owner declares the module before the device). The push is
+        // balanced by the pop; a failed push leaves the module to the
+        // context's own teardown.
+        unsafe {
+            if sys::cuCtxPushCurrent_v2(self.1) == sys::CUresult::CUDA_SUCCESS {
+                sys::cuModuleUnload(self.0);
+                let mut old: CUcontext = std::ptr::null_mut();
+                sys::cuCtxPopCurrent_v2(&mut old);
+            }
+        }
     }
 }
 
@@ -632,4 +678,26 @@ pub fn stream_wait_event(s: CUstream, e: &Event, capturing: bool) -> Result<()> 
 pub unsafe fn memset_d32_async(dst: CUdeviceptr, value: u32, n: usize, s: CUstream) -> Result<()> {
     // SAFETY: forwarded caller contract.
     check(unsafe { sys::cuMemsetD32Async(dst, value, n, s) }, "cuMemsetD32Async")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn driver_version_checks() {
+        // Below the oldest supported driver: UNSUPPORTED, naming both versions.
+        let e = check_min_driver(12020, "the CUDA backend").unwrap_err();
+        assert_eq!(e.status, KvswapStatus::Unsupported);
+        assert!(e.message.contains("CUDA 12.2") && e.message.contains("12.3 or newer"), "{}", e.message);
+        check_min_driver(MIN_DRIVER_VERSION, "x").unwrap();
+        // NVRTC of a newer major than the driver: its CUBINs would not load.
+        let e = check_nvrtc_major((13, 0), 12080, "the CUDA scorer").unwrap_err();
+        assert_eq!(e.status, KvswapStatus::Unsupported);
+        assert!(e.message.contains("NVRTC 13.0") && e.message.contains("CUDA 12.8"), "{}", e.message);
+        // Same major (any minor, either way) or an older NVRTC: accepted.
+        check_nvrtc_major((13, 0), 13000, "x").unwrap();
+        check_nvrtc_major((13, 2), 13000, "x").unwrap();
+        check_nvrtc_major((12, 9), 13000, "x").unwrap();
+    }
 }

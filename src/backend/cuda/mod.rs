@@ -14,7 +14,16 @@ use crate::error::{Error, KvswapStatus, Result};
 use crate::layer::{dedup_last, KvswapLayerStats, LayerPlan, StagingView};
 use driver::{kernel_params, CUstream, Device, DeviceBuffer, Event, Kernel, Module, OwnedStream, PinnedBuffer};
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
+
+/// Test hook: the next `n` launch attempts of the swap-in gather fail as if
+/// the driver had refused them (tests/gpu.rs; every attempt takes one).
+#[doc(hidden)]
+pub fn fail_gather_launches(n: u32) {
+    GATHER_FAULTS.store(n, Ordering::Relaxed);
+}
+static GATHER_FAULTS: AtomicU32 = AtomicU32::new(0);
 
 /// Ids per store launch (`KV_STORE_MAX` in kernels/swap.cu).
 const STORE_MAX: usize = 256;
@@ -293,6 +302,10 @@ struct CudaLayer {
     last_stream: usize,
     /// The capture id and stream handle of the layer's last captured call.
     last_capture: Option<(u64, usize)>,
+    /// Set when a swap-in's gather could not be launched after its residency
+    /// kernel had run: slots are mapped to chunks whose bytes were never
+    /// copied, so every later swap-in is refused with this text.
+    broken: Option<String>,
     sh: Arc<Shared>,
 }
 
@@ -367,6 +380,7 @@ impl CudaLayer {
             recorded: false,
             last_stream: usize::MAX,
             last_capture: None,
+            broken: None,
         };
         let s = layer.sh.internal.0;
         let mut d = layer.dev;
@@ -546,7 +560,9 @@ impl CudaLayer {
     }
 
     /// Launches the residency kernel, the gather and (optionally) validation.
-    fn launch_swap(&mut self, indices: u64, window_len: u32, count: u32, strict: bool, s: CUstream) -> Result<()> {
+    /// `capturing`: `s` is being captured (a failed launch then ends the
+    /// capture rather than leaving the layer half-updated).
+    fn launch_swap(&mut self, indices: u64, window_len: u32, count: u32, strict: bool, s: CUstream, capturing: bool) -> Result<()> {
         let k = &self.sh.kernels;
         let n = if self.dev.identity != 0 { count } else { count.max(self.dev.slots) };
         let threads = n.next_multiple_of(32).clamp(64, 1024);
@@ -563,15 +579,44 @@ impl CudaLayer {
             let grid = (count as u64 * pieces).div_ceil(8).clamp(1, self.sh.device.sm_count as u64 * 16) as u32;
             let mut vec = self.vec_ok(&[]) as u32;
             let mut params = kernel_params![d, vec];
+            let fault = || GATHER_FAULTS.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok();
             // SAFETY: parameters match kvswap_gather(LayerDev, u32), which
-            // waits for the residency kernel (griddepcontrol.wait) first.
-            unsafe {
-                if self.sh.pdl {
-                    k.gather.launch_dependent(grid, 256, 0, s, &mut params)?
-                } else {
-                    k.gather.launch(grid, 256, 0, s, &mut params)?
-                }
+            // waits for the residency kernel (griddepcontrol.wait) first
+            // (a plain launch runs after it anyway).
+            let first = if fault() {
+                Err(Error::device("kvswap_gather launch refused (injected by a test)"))
+            } else if self.sh.pdl {
+                unsafe { k.gather.launch_dependent(grid, 256, 0, s, &mut params) }
+            } else {
+                unsafe { k.gather.launch(grid, 256, 0, s, &mut params) }
             };
+            // The residency kernel is queued and will map the misses to
+            // slots: without the gather those slots would hold stale bytes.
+            // Retry as a plain launch; if that fails too, the layer is
+            // unusable (a captured call ends its capture instead: the graph
+            // is never made, so nothing runs).
+            if let Err(e1) = first {
+                let again = if fault() {
+                    Err(Error::device("kvswap_gather launch refused (injected by a test)"))
+                } else {
+                    // SAFETY: as above.
+                    unsafe { k.gather.launch(grid, 256, 0, s, &mut params) }
+                };
+                if let Err(e2) = again {
+                    if !capturing {
+                        let text = format!(
+                            "layer {}: a swap-in's copy kernel could not be launched after its residency update \
+                             ({}; retried: {}), so some slots are mapped to chunks whose bytes were never copied; \
+                             destroy the context and create it again",
+                            self.plan.index, e1.message, e2.message
+                        );
+                        self.broken = Some(text.clone());
+                        return Err(Error::device(text));
+                    }
+                    return Err(e2);
+                }
+                log::warn!("kvswap: layer {}: gather launch failed ({}); retried as a plain launch", self.plan.index, e1.message);
+            }
         }
         if self.validate && count > 0 {
             let grid = (count as u64).div_ceil(8).clamp(1, self.sh.device.sm_count as u64 * 8) as u32;
@@ -607,6 +652,7 @@ impl LayerOps for CudaLayer {
     }
 
     unsafe fn swap_in(&mut self, indices: u64, window_len: u32, count: u32, stream: StreamHandle) -> Result<()> {
+        self.check_usable()?;
         let _g = self.sh.device.bind()?;
         let (s, capture) = self.stream(stream)?;
         if self.strict && capture.is_some() {
@@ -616,7 +662,7 @@ impl LayerOps for CudaLayer {
         }
         self.check_range(indices, 4 * (window_len as u64 + count as u64), "indices")?;
         self.order(s, stream, capture)?;
-        let launched = self.launch_swap(indices, window_len, count, self.strict, s);
+        let launched = self.launch_swap(indices, window_len, count, self.strict, s, capture.is_some());
         self.after_launch(s, capture.is_some(), launched)?;
         if self.strict {
             self.wait()?;
@@ -655,7 +701,8 @@ impl LayerOps for CudaLayer {
         let _g = self.sh.device.bind()?;
         self.wait()?;
         let s = self.sh.internal.0;
-        self.take_error(s)
+        self.take_error(s)?;
+        self.check_usable()
     }
 
     fn staging(&self) -> StagingView {
@@ -694,6 +741,7 @@ impl LayerOps for CudaLayer {
     }
 
     fn swap_in_host(&mut self, indices: &mut [i32], window_len: u32) -> Result<()> {
+        self.check_usable()?;
         let _g = self.sh.device.bind()?;
         self.wait()?;
         self.last_stream = usize::MAX;
@@ -706,7 +754,7 @@ impl LayerOps for CudaLayer {
         // SAFETY (copy back): as above. Waited for also when a launch failed:
         // earlier ones may be queued.
         let launched = self
-            .launch_swap(dst, window_len, count, self.strict, s)
+            .launch_swap(dst, window_len, count, self.strict, s, false)
             .and_then(|()| unsafe { driver::copy_dtoh_async(indices.as_mut_ptr() as *mut u8, dst, bytes, s) });
         driver::stream_sync(s)?;
         self.recorded = false;
@@ -719,6 +767,14 @@ impl LayerOps for CudaLayer {
 }
 
 impl CudaLayer {
+    /// Refuses work on a layer whose slots no longer match their chunks.
+    fn check_usable(&self) -> Result<()> {
+        match &self.broken {
+            Some(text) => Err(Error::device(text.clone())),
+            None => Ok(()),
+        }
+    }
+
     fn residency_pairs(&mut self, s: CUstream) -> Result<Vec<(u32, u32)>> {
         if self.dev.identity != 0 {
             let bits = self.read_meta(self.meta.stored, (self.plan.compressed_cap as usize).div_ceil(32), s)?;

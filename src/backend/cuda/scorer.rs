@@ -18,6 +18,7 @@ use crate::scorer::backend::{BoundsBackend, BoundsRef, KeysRef, ScorerBackend, S
 use crate::scorer::{args, Checkpoint, KeyDtype, WeightDtype};
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Sequences per launch (`FM_MAX_BATCH` in kernels/scorer/project.cu);
@@ -148,6 +149,9 @@ struct Workspace {
     tie: DeviceBuffer,
     err: DeviceBuffer,
     readback: PinnedBuffer,
+    /// A call was captured on this stream: a graph holding it records its
+    /// errors here wherever it is launched (see `Workspaces::sync_errors`).
+    captured: AtomicBool,
 }
 
 impl Workspace {
@@ -164,6 +168,7 @@ impl Workspace {
             tie: DeviceBuffer::alloc(chunks * 8, "scorer candidates")?,
             err: DeviceBuffer::alloc(16, "scorer error")?,
             readback: PinnedBuffer::alloc(16)?,
+            captured: AtomicBool::new(false),
         };
         Ok(ws)
     }
@@ -312,6 +317,8 @@ impl Workspaces {
             if let Some(old) = ws.replace(new) {
                 self.retired.lock().unwrap_or_else(|p| p.into_inner()).push((workspace_key(s), old));
             }
+        } else if driver::is_capturing(s)? {
+            ws.as_ref().unwrap().captured.store(true, Ordering::Relaxed);
         }
         Ok(ws.as_ref().unwrap())
     }
@@ -319,8 +326,13 @@ impl Workspaces {
     /// Waits for `stream` (checked, of `device`, not being captured: the
     /// wait would end the capture) and returns (clearing them) the errors
     /// its calls recorded: in its workspace, or in one it outgrew (a graph
-    /// captured before the growth records there). The first found is
-    /// returned.
+    /// captured before the growth records there). Then the records of the
+    /// workspaces of other streams that calls were captured on: a graph
+    /// records where it was captured, and may have been launched on
+    /// `stream` (PyTorch captures on a side stream and replays on the
+    /// current one). An eager call on such a capture stream may so have its
+    /// error returned here rather than by its own stream's sync; each error
+    /// is returned once. The first found is returned.
     fn sync_errors(&self, device: &Device, stream: StreamHandle) -> Result<()> {
         let _g = device.bind()?;
         let s = stream as CUstream;
@@ -328,16 +340,28 @@ impl Workspaces {
         driver::stream_sync(s)?;
         let key = workspace_key(s);
         let mut first = Ok(());
-        let slot = self.slots.lock().unwrap_or_else(|p| p.into_inner()).get(&key).cloned();
-        if let Some(slot) = slot {
-            if let Some(ws) = slot.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-                first = ws.take_error(s);
-            }
-        }
-        for (_, ws) in self.retired.lock().unwrap_or_else(|p| p.into_inner()).iter().filter(|(k, _)| *k == key) {
-            let e = ws.take_error(s);
+        let mut note = |e: Result<()>| {
             if first.is_ok() {
                 first = e;
+            }
+        };
+        let slots: Vec<(u64, Slot)> =
+            self.slots.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(k, v)| (*k, v.clone())).collect();
+        // This stream's workspace first, then the other streams' captured
+        // ones; each slot is locked in turn (a call on it holds its lock
+        // only while it launches). The records are read and cleared on `s`.
+        for own in [true, false] {
+            for (k, slot) in slots.iter().filter(|(k, _)| (*k == key) == own) {
+                if let Some(ws) = slot.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                    if *k == key || ws.captured.load(Ordering::Relaxed) {
+                        note(ws.take_error(s));
+                    }
+                }
+            }
+        }
+        for (k, ws) in self.retired.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            if *k == key || ws.captured.load(Ordering::Relaxed) {
+                note(ws.take_error(s));
             }
         }
         first
