@@ -71,6 +71,15 @@ __device__ __forceinline__ float dot8(const float* w, float4 x0, float4 x1) {
 // [0, FM_HEADS*FM_HEAD_DIM) of scorer i are Wq (output q, bf16), the next
 // FM_HEADS rows are Ww (output w, f32). weights: [FM_SCORERS][rows][hidden];
 // hidden % 8 == 0 (checked on the host).
+// Where element k (of a staged pass of the hidden state, KT a multiple of
+// 256) is kept in shared memory: within each 256 elements, the first four
+// of every lane's eight (k = 8 l + 4 h + i) are packed before the last four,
+// so a warp's 16-byte reads hit 32 different banks.
+__device__ __forceinline__ u32 hidden_slot(u32 k) {
+    const u32 l = (k >> 3) & 31u, h = (k >> 2) & 1u, i = k & 3u;
+    return (k & ~255u) + 128u * h + 4u * l + i;
+}
+
 template <typename T, u32 MAXB, u32 KT>
 __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBatch& B, u32* err) {
     extern __shared__ float sh_h[];  // [MAXB][KT]
@@ -111,7 +120,7 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
             const u32 b = t / kt, k = t % kt;
             const float v = B.seq[b].hidden[(u64)scorer * hidden + k0 + k];
             if (!isfinite(v) && blockIdx.x == 0) record_error3(err, FM_ERR_HIDDEN, scorer, k0 + k, B.id[b]);
-            sh_h[b * KT + k] = v;
+            sh_h[b * KT + hidden_slot(k)] = v;
         }
         __syncthreads();
         if (!active) continue;
@@ -119,11 +128,15 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
         for (u32 k = lane * 8; k < kt; k += 256) {
             float wv[8];
             load8<T>(wrow + k0 + k, wv);
+            // Lane l's elements k..k+3 and k+4..k+7 (k = 256 j + 8 l) lie at
+            // 256 j + 4 l and 256 j + 128 + 4 l: each 16-byte read of a
+            // warp covers 512 contiguous bytes (no bank conflict).
+            const u32 at = (k & ~255u) + 4 * lane;
 #pragma unroll
             for (u32 b = 0; b < MAXB; ++b) {
                 if (b < B.n) {
-                    const float* h = sh_h + b * KT + k;
-                    acc[b] += dot8(wv, *(const float4*)h, *(const float4*)(h + 4));
+                    const float* h = sh_h + b * KT + at;
+                    acc[b] += dot8(wv, *(const float4*)h, *(const float4*)(h + 128));
                 }
             }
         }
