@@ -80,22 +80,31 @@ __device__ __forceinline__ u32 hidden_slot(u32 k) {
     return (k & ~255u) + 128u * h + 4u * l + i;
 }
 
-template <typename T, u32 MAXB, u32 KT>
+template <typename T, u32 MAXB, u32 KT, u32 RPW>
 __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBatch& B, u32* err) {
     extern __shared__ float sh_h[];  // [MAXB][KT]
     constexpr u32 QR = FM_HEADS * FM_HEAD_DIM, ROWS = QR + FM_HEADS;
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
     const u32 scorer = blockIdx.y;
-    const u32 row = blockIdx.x * FM_PROJ_ROWS + warp;
-    const bool active = row < ROWS;
+    // Warp w of block x owns rows (x * FM_PROJ_ROWS + w) * RPW + r, r < RPW
+    // (RPW > 1: each staged hidden value read from shared memory serves
+    // RPW rows).
+    const u32 row0 = (blockIdx.x * FM_PROJ_ROWS + warp) * RPW;
+    const bool active = row0 < ROWS;
+    const u32 row = row0;
     const T* wrow = weights + ((u64)scorer * ROWS + (active ? row : 0)) * hidden;
+    const T* wrows[RPW];
+#pragma unroll
+    for (u32 r = 0; r < RPW; ++r) wrows[r] = weights + ((u64)scorer * ROWS + (row0 + r < ROWS ? row0 + r : 0)) * hidden;
     // The scoring kernel (a programmatic dependent) launches once every block
     // of this grid has started, i.e. during its last wave, and prefetches its
     // first key tiles; it waits for this grid to complete before reading q, w.
     allow_dependents();
-    float acc[MAXB];
+    float acc[RPW][MAXB];
 #pragma unroll
-    for (u32 b = 0; b < MAXB; ++b) acc[b] = 0.f;
+    for (u32 r = 0; r < RPW; ++r)
+#pragma unroll
+        for (u32 b = 0; b < MAXB; ++b) acc[r][b] = 0.f;
     if constexpr (MAXB == 1) {
         // One sequence: the hidden slice (<= 16 KB) stays in L1; no staging,
         // no barrier, every warp streams its row at once.
@@ -109,7 +118,7 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
             for (u32 k = lane * 8; k < hidden; k += 256) {
                 float wv[8];
                 load8<T>(wrow + k, wv);
-                acc[0] += dot8(wv, __ldg((const float4*)(h0 + k)), __ldg((const float4*)(h0 + k + 4)));
+                acc[0][0] += dot8(wv, __ldg((const float4*)(h0 + k)), __ldg((const float4*)(h0 + k + 4)));
             }
         }
     } else
@@ -126,8 +135,9 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
         if (!active) continue;
 #pragma unroll 4
         for (u32 k = lane * 8; k < kt; k += 256) {
-            float wv[8];
-            load8<T>(wrow + k0 + k, wv);
+            float wv[RPW][8];
+#pragma unroll
+            for (u32 r = 0; r < RPW; ++r) load8<T>(wrows[r] + k0 + k, wv[r]);
             // Lane l's elements k..k+3 and k+4..k+7 (k = 256 j + 8 l) lie at
             // 256 j + 4 l and 256 j + 128 + 4 l: each 16-byte read of a
             // warp covers 512 contiguous bytes (no bank conflict).
@@ -136,37 +146,48 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
             for (u32 b = 0; b < MAXB; ++b) {
                 if (b < B.n) {
                     const float* h = sh_h + b * KT + at;
-                    acc[b] += dot8(wv, *(const float4*)h, *(const float4*)(h + 128));
+                    const float4 x0 = *(const float4*)h, x1 = *(const float4*)(h + 128);
+#pragma unroll
+                    for (u32 r = 0; r < RPW; ++r) acc[r][b] += dot8(wv[r], x0, x1);
                 }
             }
         }
     }
     if (!active) return;
 #pragma unroll
-    for (u32 b = 0; b < MAXB; ++b) {
-        if (b >= B.n) break;
-        float s = acc[b];
+    for (u32 r = 0; r < RPW; ++r) {
+        const u32 rr = row0 + r;
+        if (rr >= ROWS) break;
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(KVS_FULL_MASK, s, off);
-        if (lane == 0) {
-            if (row < QR) B.seq[b].q[(u64)scorer * QR + row] = f32_to_bf16(s);
-            else B.seq[b].w[scorer * FM_HEADS + (row - QR)] = s;
+        for (u32 b = 0; b < MAXB; ++b) {
+            if (b >= B.n) break;
+            float s = acc[r][b];
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(KVS_FULL_MASK, s, off);
+            if (lane == 0) {
+                if (rr < QR) B.seq[b].q[(u64)scorer * QR + rr] = f32_to_bf16(s);
+                else B.seq[b].w[scorer * FM_HEADS + (rr - QR)] = s;
+            }
         }
     }
 }
 
 // Instantiations: weight dtype x batch width (1: hidden read through L1, no
 // shared memory; 8 and 64: staged passes of 1024 and 256 elements).
-#define FM_PROJECT(NAME, T, MAXB, KT)                                                            \
+#define FM_PROJECT(NAME, T, MAXB, KT, RPW)                                                       \
     extern "C" __global__ void __launch_bounds__(FM_PROJ_ROWS * 32)                               \
-    NAME(const T* W, u32 hidden, ProjBatch B, u32* err) { project<T, MAXB, KT>(W, hidden, B, err); }
+    NAME(const T* W, u32 hidden, ProjBatch B, u32* err) { project<T, MAXB, KT, RPW>(W, hidden, B, err); }
+// Rows per warp of the b8 form (the host sizes its grid by it).
+#ifndef FM_PROJ_RPW8
+#define FM_PROJ_RPW8 2
+#endif
 // Shared memory: MAXB * KT * 4 bytes for b8 and b64 (32 and 64 KiB), none for b1.
-FM_PROJECT(fm_project_f32_b1, float, 1, 256)
-FM_PROJECT(fm_project_f32_b8, float, 8, 1024)
-FM_PROJECT(fm_project_f32_b64, float, 64, 256)
-FM_PROJECT(fm_project_bf16_b1, u16, 1, 256)
-FM_PROJECT(fm_project_bf16_b8, u16, 8, 1024)
-FM_PROJECT(fm_project_bf16_b64, u16, 64, 256)
-FM_PROJECT(fm_project_f16_b1, F16, 1, 256)
-FM_PROJECT(fm_project_f16_b8, F16, 8, 1024)
-FM_PROJECT(fm_project_f16_b64, F16, 64, 256)
+FM_PROJECT(fm_project_f32_b1, float, 1, 256, 1)
+FM_PROJECT(fm_project_f32_b8, float, 8, 1024, FM_PROJ_RPW8)
+FM_PROJECT(fm_project_f32_b64, float, 64, 256, 1)
+FM_PROJECT(fm_project_bf16_b1, u16, 1, 256, 1)
+FM_PROJECT(fm_project_bf16_b8, u16, 8, 1024, FM_PROJ_RPW8)
+FM_PROJECT(fm_project_bf16_b64, u16, 64, 256, 1)
+FM_PROJECT(fm_project_f16_b1, F16, 1, 256, 1)
+FM_PROJECT(fm_project_f16_b8, F16, 8, 1024, FM_PROJ_RPW8)
+FM_PROJECT(fm_project_f16_b64, F16, 64, 256, 1)

@@ -50,6 +50,8 @@ const _: () = assert!(crate::scorer::FM_MAX_SEQS <= 1 << 16);
 const PROJECT_SMEM: [u32; 3] = [4096 * 4, 8 * 1024 * 4, 64 * 256 * 4];
 /// Weight rows per projection block (`FM_PROJ_ROWS`, one warp each).
 const PROJECT_ROWS: u32 = 16;
+/// Weight rows per warp of fm_project_*_b1, _b8, _b64 (`FM_PROJ_RPW8`).
+const PROJECT_RPW: [u32; 3] = [1, 2, 1];
 const ERR_HIDDEN: u32 = 1;
 const ERR_SCORE: u32 = 2;
 const ERR_BOUNDS: u32 = 3;
@@ -648,7 +650,7 @@ impl CudaScorer {
                     let mut params = kernel_params![wptr, hid, pb, err];
                     // SAFETY: parameters match fm_project_*(const T*, u32, ProjBatch, u32*);
                     // hidden and q/w buffers were checked / sized above.
-                    unsafe { kernel.launch_2d((rows.div_ceil(PROJECT_ROWS), self.n_scorers as u32), 32 * PROJECT_ROWS, PROJECT_SMEM[which], s, &mut params)? };
+                    unsafe { kernel.launch_2d((rows.div_ceil(PROJECT_ROWS * PROJECT_RPW[which]), self.n_scorers as u32), 32 * PROJECT_ROWS, PROJECT_SMEM[which], s, &mut params)? };
                 }
                 let mut sb = ScoreBatch {
                     n_seqs: b as u32,
@@ -1004,6 +1006,7 @@ mod tests {
         assert_eq!(define("FM_ORDER_BLOCKS"), (ORDER_MAX / ORDER_CANDS) as u64);
         assert_eq!(define("FM_RANK_MAX"), TOPK_MAX as u64);
         assert_eq!(define("FM_PROJ_ROWS"), PROJECT_ROWS as u64);
+        assert_eq!(define("FM_PROJ_RPW8"), PROJECT_RPW[1] as u64);
         assert_eq!(define("FM_MAX_BATCH"), MAX_BATCH as u64);
         assert_eq!(define("WG_GROUPS"), WG_GROUPS as u64);
         assert_eq!(define("WG_STAGES"), WG_STAGES as u64);
