@@ -62,15 +62,6 @@ __device__ __forceinline__ float dot8(const float* w, float4 x0, float4 x1) {
     return fmaf(w[7], x1.w, s);
 }
 
-// out[b][row] = W[row] . hidden_b for every row of every scorer and every
-// sequence b of the batch (up to MAXB): each warp owns one weight row and reads
-// it once for all sequences; the sequences' hidden slices are staged in
-// (dynamic) shared memory KT elements at a time. Lane l always sums elements
-// l*8 + 256 j in increasing j, whatever MAXB and KT (a multiple of 256), so a
-// batch computes bit-identical projections to single calls. Rows
-// [0, FM_HEADS*FM_HEAD_DIM) of scorer i are Wq (output q, bf16), the next
-// FM_HEADS rows are Ww (output w, f32). weights: [FM_SCORERS][rows][hidden];
-// hidden % 8 == 0 (checked on the host).
 // Where element k (of a staged pass of the hidden state, KT a multiple of
 // 256) is kept in shared memory: within each 256 elements, the first four
 // of every lane's eight (k = 8 l + 4 h + i) are packed before the last four,
@@ -80,6 +71,16 @@ __device__ __forceinline__ u32 hidden_slot(u32 k) {
     return (k & ~255u) + 128u * h + 4u * l + i;
 }
 
+// out[b][row] = W[row] . hidden_b for every row of every scorer and every
+// sequence b of the batch (up to MAXB): each warp owns RPW weight rows and
+// reads them once for all sequences; the sequences' hidden slices are staged in
+// (dynamic) shared memory KT elements at a time. Lane l always sums elements
+// l*8 + 256 j in increasing j, whatever MAXB and KT (a multiple of 256), so a
+// batch computes bit-identical projections to single calls (RPW changes
+// only how many rows share a staged hidden value read). Rows
+// [0, FM_HEADS*FM_HEAD_DIM) of scorer i are Wq (output q, bf16), the next
+// FM_HEADS rows are Ww (output w, f32). weights: [FM_SCORERS][rows][hidden];
+// hidden % 8 == 0 (checked on the host).
 template <typename T, u32 MAXB, u32 KT, u32 RPW>
 __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBatch& B, u32* err) {
     extern __shared__ float sh_h[];  // [MAXB][KT]
@@ -91,8 +92,7 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
     // RPW rows).
     const u32 row0 = (blockIdx.x * FM_PROJ_ROWS + warp) * RPW;
     const bool active = row0 < ROWS;
-    const u32 row = row0;
-    const T* wrow = weights + ((u64)scorer * ROWS + (active ? row : 0)) * hidden;
+    const T* wrow = weights + ((u64)scorer * ROWS + (active ? row0 : 0)) * hidden;  // the single-sequence form's
     const T* wrows[RPW];
 #pragma unroll
     for (u32 r = 0; r < RPW; ++r) wrows[r] = weights + ((u64)scorer * ROWS + (row0 + r < ROWS ? row0 + r : 0)) * hidden;
