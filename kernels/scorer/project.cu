@@ -12,7 +12,7 @@ struct ProjSeq {
 };
 
 #define FM_MAX_BATCH 64
-#define FM_PROJ_ROWS 16    // weight rows per block (one per warp)
+#define FM_PROJ_ROWS 16    // warps per block (each owning RPW weight rows: 1, or FM_PROJ_RPW8 in b8)
 
 struct ProjBatch {
     u32 n;
@@ -173,14 +173,14 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
 }
 
 // Instantiations: weight dtype x batch width (1: hidden read through L1, no
-// shared memory; 8 and 64: staged passes of 1024 and 256 elements).
+// shared memory; 8 and 64: staged passes of 1024 and 256 elements) x rows
+// per warp (2 for b8: its accumulators leave room; b64's do not).
 #define FM_PROJECT(NAME, T, MAXB, KT, RPW)                                                       \
     extern "C" __global__ void __launch_bounds__(FM_PROJ_ROWS * 32)                               \
     NAME(const T* W, u32 hidden, ProjBatch B, u32* err) { project<T, MAXB, KT, RPW>(W, hidden, B, err); }
-// Rows per warp of the b8 form (the host sizes its grid by it).
-#ifndef FM_PROJ_RPW8
+// Rows per warp of the b8 form (the host sizes its grid by it: PROJECT_RPW
+// in src/backend/cuda/scorer.rs; no #ifndef, so a -D cannot make them differ).
 #define FM_PROJ_RPW8 2
-#endif
 // Shared memory: MAXB * KT * 4 bytes for b8 and b64 (32 and 64 KiB), none for b1.
 FM_PROJECT(fm_project_f32_b1, float, 1, 256, 1)
 FM_PROJECT(fm_project_f32_b8, float, 8, 1024, FM_PROJ_RPW8)

@@ -48,7 +48,7 @@ const _: () = assert!(crate::scorer::FM_MAX_CHUNKS < 1 << 24);
 const _: () = assert!(crate::scorer::FM_MAX_SEQS <= 1 << 16);
 /// Dynamic shared memory of fm_project_*_b{1,8,64}: MAXB x KT x 4 bytes.
 const PROJECT_SMEM: [u32; 3] = [4096 * 4, 8 * 1024 * 4, 64 * 256 * 4];
-/// Weight rows per projection block (`FM_PROJ_ROWS`, one warp each).
+/// Warps per projection block (`FM_PROJ_ROWS`), each owning PROJECT_RPW rows.
 const PROJECT_ROWS: u32 = 16;
 /// Weight rows per warp of fm_project_*_b1, _b8, _b64 (`FM_PROJ_RPW8`).
 const PROJECT_RPW: [u32; 3] = [1, 2, 1];
