@@ -347,6 +347,7 @@ fn bad_device_ordinal_is_no_device() {
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn gather_launch_failure_is_retried_then_breaks_the_layer() {
+    kvswap::backend::cuda::fail_gather_launches(0);
     let mut rng = Rng::fresh("gpu gather launch failure");
     let specs = [spec(64, 512), spec(64, 512)];
     let cpu = Context::new(config(BackendChoice::Cpu, 16, true), &specs).unwrap();

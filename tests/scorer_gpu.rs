@@ -839,6 +839,17 @@ fn cuda_scorer_graph_replay_reports_nan_through_sync() {
     assert!(d.download_i32(&bufs.out, k as usize).iter().all(|&x| x == -1), "a NaN replay on another stream writes -1");
     scorer.sync(other.0 as u64).unwrap();
     scorer.sync(st as u64).unwrap();
+    // Two errors at once, the graph's (recorded for the capture stream) and
+    // an eager call's on the launch stream: each sync returns one, and
+    // neither is cleared without being returned.
+    graph.launch(other.0).unwrap();
+    unsafe { scorer.score_topk(&seq, k, other.0 as u64).unwrap() };
+    for round in 0..2 {
+        let e = scorer.sync(other.0 as u64).expect_err(&format!("error {round} of 2"));
+        assert!(e.message.contains("position 17"), "{e}");
+    }
+    scorer.sync(other.0 as u64).unwrap();
+    scorer.sync(st as u64).unwrap();
     hidden[2 * hid as usize + 17] = saved;
     d.upload_into(&bufs.hidden, &f32_bytes(&hidden));
     check_topk(&replay(), &scores, &tol, k as usize, "replay after the error");

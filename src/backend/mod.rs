@@ -118,7 +118,8 @@ pub fn select(cfg: &Config) -> Result<Box<dyn Backend>> {
 pub fn auto_refusal(n: i32) -> String {
     format!(
         " (KVSWAP_BACKEND=auto: the driver reports {n} CUDA device(s), so there is no fall back to the CPU backend, \
-         which would read device pointers as host memory; set KVSWAP_BACKEND=cpu to use it)"
+         which would read device pointers as host memory; set KVSWAP_BACKEND=cpu, or --backend cpu for the kvswap command, \
+         to use it)"
     )
 }
 

@@ -133,7 +133,9 @@ fn path_arg(path: *const c_char) -> Result<PathBuf> {
 /// `device < -1`, a misaligned `out` or (CUDA) a bad `KVSWAP_SYNC`;
 /// `KVSWAP_STATUS_NO_DEVICE` for `device >= 0` without that CUDA device or
 /// driver (or in a build without CUDA); `KVSWAP_STATUS_UNSUPPORTED` for a
-/// shape the CUDA kernels do not cover; `KVSWAP_STATUS_OUT_OF_MEMORY` when
+/// shape the CUDA kernels do not cover, a driver older than CUDA 12.3, or
+/// an NVRTC of a newer CUDA major version than the driver;
+/// `KVSWAP_STATUS_OUT_OF_MEMORY` when
 /// the host cannot hold the file or the device its weights;
 /// `KVSWAP_STATUS_DEVICE_ERROR` when NVRTC or the driver fails.
 #[no_mangle]
@@ -188,14 +190,18 @@ pub extern "C" fn fm_scorer_info(scorer: *const FmScorer, out: *mut FmScorerInfo
 /// on the device, clearing it. With `KVSWAP_SYNC=0` on the CUDA backend a
 /// call does not wait: a NaN or infinite hidden value, key or scale then
 /// writes the top-k as -1 and is reported here (also when it was recorded by
-/// a CUDA graph's replay). A graph's calls record their errors where they
-/// were captured, whatever stream the graph is launched on; this function
-/// also returns (and clears) the errors recorded for the streams that calls
-/// were captured on, so the launch stream's sync reports a graph's error
-/// (as does the capture stream's). An error of an eager call made on a
-/// stream that calls were also captured on may so be returned by another
-/// stream's sync; every error is returned once. Keep the capture stream
-/// alive while the graph is in use. On the CPU backend errors are returned at once and
+/// a CUDA graph's replay). A graph's calls use the workspace of the stream
+/// they were captured on, whatever stream the graph is launched on (so two
+/// launches of graphs captured on one stream, or such a launch and an eager
+/// call on that stream, must not run at the same time), and record their
+/// errors there. When `stream`'s own record holds no error, this function
+/// also returns the first error recorded for a stream that calls were
+/// captured on, once that stream's last call and its graphs' last launch
+/// have completed: so the sync of the stream a graph was launched on
+/// reports the graph's error (as does the capture stream's). Such an error
+/// goes to whichever sync finds it first (with several threads, perhaps
+/// another thread's), and is cleared only when returned. Keep the capture
+/// stream alive while the graph is in use. On the CPU backend errors are returned at once and
 /// this returns KVSWAP_STATUS_OK. A stream being captured is refused
 /// (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the capture.
 /// Errors besides the recorded one: `KVSWAP_STATUS_NULL_POINTER` (NULL
@@ -423,11 +429,14 @@ pub extern "C" fn fm_bounds_topk(
 /// capture. Before any such call the device and the stream are still
 /// checked and the stream waited for. As for `fm_scorer_sync`, a graph's
 /// errors are returned by the sync of the stream it was launched on (or
-/// captured on). Errors besides the recorded one:
+/// captured on), or by whichever sync on `device` finds them first.
+/// Errors besides the recorded one:
 /// `KVSWAP_STATUS_INVALID_ARGUMENT` for `device < -1` or (CUDA) the NULL
 /// (legacy) stream, `KVSWAP_STATUS_NO_DEVICE` for a CUDA ordinal without
 /// that device or driver, `KVSWAP_STATUS_WRONG_DEVICE` for a stream of
-/// another device, `KVSWAP_STATUS_DEVICE_ERROR` when the wait fails.
+/// another device, `KVSWAP_STATUS_UNSUPPORTED` (before any bounds call on
+/// `device`: the bounds kernels are compiled then) as for `fm_bounds_topk`,
+/// `KVSWAP_STATUS_DEVICE_ERROR` when the wait fails.
 #[no_mangle]
 pub extern "C" fn fm_bounds_sync(device: i32, stream: KvswapStream) -> KvswapStatus {
     boundary("fm_bounds_sync", || {

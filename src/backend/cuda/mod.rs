@@ -14,7 +14,7 @@ use crate::error::{Error, KvswapStatus, Result};
 use crate::layer::{dedup_last, KvswapLayerStats, LayerPlan, StagingView};
 use driver::{kernel_params, CUstream, Device, DeviceBuffer, Event, Kernel, Module, OwnedStream, PinnedBuffer};
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 
 /// Test hook: the next `n` launch attempts of the swap-in gather fail as if
@@ -77,8 +77,9 @@ struct Shared {
     kernels: Kernels,
     /// Dynamic shared memory kvswap_swap_in may use per block.
     swap_smem_max: u32,
-    /// Programmatic dependent launch of the gather (compute capability >= 9.0).
-    pdl: bool,
+    /// Programmatic dependent launch of the gather (compute capability >=
+    /// 9.0); turned off for the context when such a launch is refused.
+    pdl: AtomicBool,
     _module: Module,
     internal: OwnedStream,
     device: Device,
@@ -110,7 +111,7 @@ impl CudaBackend {
         let internal = OwnedStream::new()?;
         let pdl = device.cc.0 >= 9;
         drop(_g);
-        Ok(CudaBackend { shared: Arc::new(Shared { kernels, swap_smem_max, pdl, _module: module, internal, device }) })
+        Ok(CudaBackend { shared: Arc::new(Shared { kernels, swap_smem_max, pdl: AtomicBool::new(pdl), _module: module, internal, device }) })
     }
 
     pub fn device(&self) -> &Device {
@@ -583,18 +584,20 @@ impl CudaLayer {
             // SAFETY: parameters match kvswap_gather(LayerDev, u32), which
             // waits for the residency kernel (griddepcontrol.wait) first
             // (a plain launch runs after it anyway).
+            let pdl = self.sh.pdl.load(Ordering::Relaxed);
             let first = if fault() {
                 Err(Error::device("kvswap_gather launch refused (injected by a test)"))
-            } else if self.sh.pdl {
+            } else if pdl {
                 unsafe { k.gather.launch_dependent(grid, 256, 0, s, &mut params) }
             } else {
                 unsafe { k.gather.launch(grid, 256, 0, s, &mut params) }
             };
             // The residency kernel is queued and will map the misses to
             // slots: without the gather those slots would hold stale bytes.
-            // Retry as a plain launch; if that fails too, the layer is
-            // unusable (a captured call ends its capture instead: the graph
-            // is never made, so nothing runs).
+            // Retry as a plain launch (captured, it becomes the graph's
+            // node); if that fails too, an eager call leaves the layer
+            // unusable, and a captured one has ended its capture (no graph
+            // is made, so nothing runs): its error names the first cause.
             if let Err(e1) = first {
                 let again = if fault() {
                     Err(Error::device("kvswap_gather launch refused (injected by a test)"))
@@ -603,19 +606,25 @@ impl CudaLayer {
                     unsafe { k.gather.launch(grid, 256, 0, s, &mut params) }
                 };
                 if let Err(e2) = again {
-                    if !capturing {
-                        let text = format!(
-                            "layer {}: a swap-in's copy kernel could not be launched after its residency update \
-                             ({}; retried: {}), so some slots are mapped to chunks whose bytes were never copied; \
-                             destroy the context and create it again",
-                            self.plan.index, e1.message, e2.message
-                        );
-                        self.broken = Some(text.clone());
-                        return Err(Error::device(text));
+                    if capturing {
+                        return Err(Error::new(e1.status, format!("{} (retried as a plain launch: {})", e1.message, e2.message)));
                     }
-                    return Err(e2);
+                    let text = format!(
+                        "layer {}: a swap-in's copy kernel could not be launched after its residency update \
+                         ({}; retried: {}), so some slots are mapped to chunks whose bytes were never copied; \
+                         destroy the context and create it again",
+                        self.plan.index, e1.message, e2.message
+                    );
+                    self.broken = Some(text.clone());
+                    return Err(Error::device(text));
                 }
                 log::warn!("kvswap: layer {}: gather launch failed ({}); retried as a plain launch", self.plan.index, e1.message);
+                if pdl {
+                    // Refused as a dependent launch, accepted as a plain one:
+                    // launch plainly from now on (no retry, no log per call).
+                    self.sh.pdl.store(false, Ordering::Relaxed);
+                    log::warn!("kvswap: programmatic dependent launch of the gather turned off for this context");
+                }
             }
         }
         if self.validate && count > 0 {
