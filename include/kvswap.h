@@ -544,14 +544,18 @@ enum KvswapStatus fm_scorer_info(const struct FmScorer *scorer, struct FmScorerI
 // they were captured on, whatever stream the graph is launched on (so two
 // launches of graphs captured on one stream, or such a launch and an eager
 // call on that stream, must not run at the same time), and record their
-// errors there. When `stream`'s own record holds no error, this function
-// also returns the first error recorded for a stream that calls were
-// captured on, once that stream's last call and its graphs' last launch
-// have completed: so the sync of the stream a graph was launched on
-// reports the graph's error (as does the capture stream's). Such an error
-// goes to whichever sync finds it first (with several threads, perhaps
-// another thread's), and is cleared only when returned. Keep the capture
-// stream alive while the graph is in use. On the CPU backend errors are returned at once and
+// errors there. One error is returned per call: the first recorded by
+// calls on `stream`; when there is none, the first recorded for a stream
+// that calls were captured on, so the sync of the stream a graph was
+// launched on reports the graph's error (as does the capture stream's).
+// Such an error goes to whichever sync finds it first (with several
+// threads, perhaps another thread's); an error is cleared only when
+// returned, so a later sync returns the next. While a launch of a graph
+// captured on another stream, or a call on such a capture stream, is
+// still running, this function may take an error it records before that
+// work has written its -1s (which it then does not write): for the -1
+// guarantee, call it when none runs. Keep the capture stream alive while
+// the graph is in use. On the CPU backend errors are returned at once and
 // this returns KVSWAP_STATUS_OK. A stream being captured is refused
 // (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the capture.
 // Errors besides the recorded one: `KVSWAP_STATUS_NULL_POINTER` (NULL
@@ -712,7 +716,8 @@ enum KvswapStatus fm_bounds_topk(int32_t device,
 // (legacy) stream, `KVSWAP_STATUS_NO_DEVICE` for a CUDA ordinal without
 // that device or driver, `KVSWAP_STATUS_WRONG_DEVICE` for a stream of
 // another device, `KVSWAP_STATUS_UNSUPPORTED` (before any bounds call on
-// `device`: the bounds kernels are compiled then) as for `fm_bounds_topk`,
+// `device`: the driver and NVRTC versions are checked then) as for
+// `fm_bounds_topk`,
 // `KVSWAP_STATUS_DEVICE_ERROR` when the wait fails.
 enum KvswapStatus fm_bounds_sync(int32_t device, KvswapStream stream);
 

@@ -421,14 +421,6 @@ impl Event {
         // SAFETY: live event.
         check(unsafe { sys::cuEventSynchronize(self.0) }, "cuEventSynchronize")
     }
-    /// Whether the work before the event's last record has completed (true
-    /// also when it was never recorded). False while it runs, and when the
-    /// driver cannot say (e.g. the last record was into a capture still in
-    /// progress).
-    pub fn completed(&self) -> bool {
-        // SAFETY: live event.
-        unsafe { sys::cuEventQuery(self.0) == sys::CUresult::CUDA_SUCCESS }
-    }
     /// Milliseconds between two recorded timing events (benchmarks). The
     /// bindings have only `cuEventElapsedTime_v2`, a CUDA 12.8 symbol: older
     /// drivers get `KVSWAP_STATUS_UNSUPPORTED`, not cudarc's panic.

@@ -10,7 +10,7 @@
 //! turn the output into -1 padding and are recorded; with `sync` the call
 //! waits and returns them, otherwise `sync_errors` (fm_scorer_sync) does.
 
-use super::driver::{self, kernel_params, CUstream, Device, DeviceBuffer, Event, Kernel, Module, PinnedBuffer};
+use super::driver::{self, kernel_params, CUstream, Device, DeviceBuffer, Kernel, Module, PinnedBuffer};
 use crate::backend::{BackendKind, StreamHandle};
 use crate::config::Ensemble;
 use crate::error::{Error, KvswapStatus, Result};
@@ -154,10 +154,6 @@ struct Workspace {
     /// A call was captured on this stream: a graph holding it records its
     /// errors here wherever it is launched (see `Workspaces::sync_errors`).
     captured: AtomicBool,
-    /// Recorded after every call that used this workspace: on its stream
-    /// when eager, as a node of the graph when captured (so each launch of
-    /// the graph records it). Completed: nothing is using the workspace.
-    done: Event,
 }
 
 impl Workspace {
@@ -175,7 +171,6 @@ impl Workspace {
             err: DeviceBuffer::alloc(16, "scorer error")?,
             readback: PinnedBuffer::alloc(16)?,
             captured: AtomicBool::new(false),
-            done: Event::new(false)?,
         };
         Ok(ws)
     }
@@ -317,13 +312,16 @@ impl Workspaces {
             let new = Workspace::new(seqs.max(old_s), chunks.max(old_c).next_power_of_two(), q_elems, w_elems)?;
             new.clear(s)?;
             if let Some(old) = ws.as_ref() {
+                // The pending error moves to the new record (one record holds
+                // it, so it is returned once). A graph captured into the old
+                // one may still report there: the flag that lets other
+                // streams' syncs read these records moves along.
                 // SAFETY: both error records are 16 bytes; synced below.
-                unsafe { driver::copy_dtod_async(new.err.ptr, old.err.ptr, 16, s)? };
+                unsafe {
+                    driver::copy_dtod_async(new.err.ptr, old.err.ptr, 16, s)?;
+                    driver::memset_d32_async(old.err.ptr, 0, 4, s)?;
+                }
                 driver::stream_sync(s)?;
-            }
-            if let Some(old) = ws.as_ref() {
-                // A graph captured into the old one may still report there;
-                // the copied record must be read by the same syncs.
                 new.captured.store(old.captured.load(Ordering::Relaxed), Ordering::Relaxed);
             }
             if let Some(old) = ws.replace(new) {
@@ -336,15 +334,17 @@ impl Workspaces {
     }
 
     /// Waits for `stream` (checked, of `device`, not being captured: the
-    /// wait would end the capture) and returns (clearing them) the errors
+    /// wait would end the capture) and returns (clearing it) the first error
     /// its calls recorded: in its workspace, or in one it outgrew (a graph
     /// captured before the growth records there). When there is none, the
-    /// records of the streams that calls were captured on, whose last call
-    /// or graph launch has completed: a graph records where it was
-    /// captured, and may have been launched on `stream` (PyTorch captures on
-    /// a side stream and replays on the current one). Those are taken one
-    /// stream at a time, up to the first that has an error, so that no
-    /// error is cleared without being returned. The first found is returned.
+    /// first error recorded for a stream that calls were captured on: a
+    /// graph records where it was captured, and may have been launched on
+    /// `stream` (PyTorch captures on a side stream and replays on the current
+    /// one). Only the record returned is cleared, so every error is returned
+    /// once, by some sync. The records of other streams are read after this
+    /// stream's wait only: a graph launch still running elsewhere, or an
+    /// eager call on its capture stream, may write one meanwhile (the
+    /// header tells engines not to run those beside a sync).
     fn sync_errors(&self, device: &Device, stream: StreamHandle) -> Result<()> {
         let _g = device.bind()?;
         let s = stream as CUstream;
@@ -353,38 +353,32 @@ impl Workspaces {
         let key = workspace_key(s);
         let slots: Vec<(u64, Slot)> =
             self.slots.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(k, v)| (*k, v.clone())).collect();
-        self.take_errors(&slots, key, s, |_| true)?;
+        self.take_first_error(&slots, key, s, |_| true)?;
         for &(k, _) in slots.iter().filter(|(k, _)| *k != key) {
-            // Not while a call or a graph launch may still write the record.
-            self.take_errors(&slots, k, s, |ws| ws.captured.load(Ordering::Relaxed) && ws.done.completed())?;
+            self.take_first_error(&slots, k, s, |ws| ws.captured.load(Ordering::Relaxed))?;
         }
         Ok(())
     }
 
-    /// Reads and clears (on `s`, already waited for) the records of stream
-    /// `key`'s workspace and of the ones it outgrew that pass `take`; the
-    /// slot is locked meanwhile (a call holds it only while it launches),
-    /// then the retired list (the order `ensure` takes them in).
-    fn take_errors(&self, slots: &[(u64, Slot)], key: u64, s: CUstream, take: impl Fn(&Workspace) -> bool) -> Result<()> {
-        let mut first = Ok(());
-        let mut note = |e: Result<()>| {
-            if first.is_ok() {
-                first = e;
-            }
-        };
+    /// Returns (clearing it, on `s`, already waited for) the first error
+    /// recorded in stream `key`'s workspace or in one it outgrew, among those
+    /// that pass `take`; the other records stay for a later sync. The slot
+    /// is locked meanwhile (a call holds it only while it launches), then the
+    /// retired list (the order `ensure` takes them in).
+    fn take_first_error(&self, slots: &[(u64, Slot)], key: u64, s: CUstream, take: impl Fn(&Workspace) -> bool) -> Result<()> {
         let slot = slots.iter().find(|(k, _)| *k == key).map(|(_, v)| v);
         let held = slot.map(|v| v.lock().unwrap_or_else(|p| p.into_inner()));
         if let Some(ws) = held.as_ref().and_then(|h| h.as_ref()) {
             if take(ws) {
-                note(ws.take_error(s));
+                ws.take_error(s)?;
             }
         }
         for (_, ws) in self.retired.lock().unwrap_or_else(|p| p.into_inner()).iter().filter(|(k, _)| *k == key) {
             if take(ws) {
-                note(ws.take_error(s));
+                ws.take_error(s)?;
             }
         }
-        first
+        Ok(())
     }
 
     fn clear(&self) {
@@ -723,10 +717,6 @@ impl CudaScorer {
             }
             Ok(())
         })();
-        // Marks the workspace in use until this call's kernels are done
-        // (also after a failed launch: earlier ones may be queued; a capture
-        // that failed is ended anyway).
-        let marked = ws.done.record(s);
         if let Err(e) = launched {
             // A launch failed after earlier kernels of the call were queued:
             // a scoring kernel may have filled histograms that no fm_order
@@ -736,7 +726,6 @@ impl CudaScorer {
             }
             return Err(e);
         }
-        marked?;
         if self.sync {
             driver::stream_sync(s)?;
             ws.take_error(s)?;
@@ -985,10 +974,7 @@ impl BoundsBackend for CudaBoundsHandle {
             pad: 0,
         };
         let blocks = (b.n_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
-        let launched = me.select.launch(&me.launch, sel, blocks, err, s);
-        // As in CudaScorer::run: in use until this call's kernels are done.
-        let marked = ws.done.record(s);
-        if let Err(e) = launched {
+        if let Err(e) = me.select.launch(&me.launch, sel, blocks, err, s) {
             // As in CudaScorer::run: the scoring kernel (or fm_select) may
             // have filled counts that no fm_order will zero.
             if !driver::is_capturing(s).unwrap_or(true) {
@@ -996,7 +982,6 @@ impl BoundsBackend for CudaBoundsHandle {
             }
             return Err(e);
         }
-        marked?;
         if me.sync {
             driver::stream_sync(s)?;
             ws.take_error(s)?;
