@@ -194,18 +194,21 @@ pub extern "C" fn fm_scorer_info(scorer: *const FmScorer, out: *mut FmScorerInfo
 /// they were captured on, whatever stream the graph is launched on (so two
 /// launches of graphs captured on one stream, or such a launch and an eager
 /// call on that stream, must not run at the same time), and record their
-/// errors there. One error is returned per call: the first recorded by
-/// calls on `stream`; when there is none, the first recorded for a stream
-/// that calls were captured on, so the sync of the stream a graph was
-/// launched on reports the graph's error (as does the capture stream's).
-/// Such an error goes to whichever sync finds it first (with several
-/// threads, perhaps another thread's); an error is cleared only when
-/// returned, so a later sync returns the next. While a launch of a graph
-/// captured on another stream, or a call on such a capture stream, is
-/// still running, this function may take an error it records before that
-/// work has written its -1s (which it then does not write): for the -1
-/// guarantee, call it when none runs. Keep the capture stream alive while
-/// the graph is in use. On the CPU backend errors are returned at once and
+/// errors there. One error is returned per call: one recorded by calls on
+/// `stream`; when there is none, one recorded for a stream that calls were
+/// captured on, so the sync of the stream a graph was launched on reports
+/// the graph's error (as does the capture stream's). Such an error goes to
+/// whichever sync finds it first (with several threads, perhaps another
+/// thread's); an error is cleared only when returned, so a later sync
+/// returns the next. This function waits for `stream` only: while other
+/// work that records into a workspace it reads is still running (a launch,
+/// on a stream other than `stream`, of a graph captured on `stream` or on
+/// another capture stream, or a call on another capture stream), it may
+/// take an error that work records before the work has written its -1s;
+/// that work may then write a top-k computed from the non-finite values
+/// and record a further error. For the -1 guarantee, call it when no such
+/// work runs. Keep the capture stream alive while the graph is in use. On
+/// the CPU backend errors are returned at once and
 /// this returns KVSWAP_STATUS_OK. A stream being captured is refused
 /// (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the capture.
 /// Errors besides the recorded one: `KVSWAP_STATUS_NULL_POINTER` (NULL
@@ -431,9 +434,11 @@ pub extern "C" fn fm_bounds_topk(
 /// reports errors at once) returns KVSWAP_STATUS_OK. A stream being captured
 /// is refused (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the
 /// capture. Before any such call the device and the stream are still
-/// checked and the stream waited for. As for `fm_scorer_sync`, a graph's
-/// errors are returned by the sync of the stream it was launched on (or
-/// captured on), or by whichever sync on `device` finds them first.
+/// checked and the stream waited for. As for `fm_scorer_sync` (one error
+/// per call, cleared only when returned, and the same condition for the -1
+/// guarantee), an error recorded for a stream that bounds calls were
+/// captured on is returned by the sync of the stream its graph was launched
+/// on (or captured on), or by whichever sync on `device` finds it first.
 /// Errors besides the recorded one:
 /// `KVSWAP_STATUS_INVALID_ARGUMENT` for `device < -1` or (CUDA) the NULL
 /// (legacy) stream, `KVSWAP_STATUS_NO_DEVICE` for a CUDA ordinal without

@@ -315,7 +315,7 @@ impl Workspaces {
                 // The pending error moves to the new record (one record holds
                 // it, so it is returned once). A graph captured into the old
                 // one may still report there: the flag that lets other
-                // streams' syncs read these records moves along.
+                // streams' syncs read these records is copied along.
                 // SAFETY: both error records are 16 bytes; synced below.
                 unsafe {
                     driver::copy_dtod_async(new.err.ptr, old.err.ptr, 16, s)?;
@@ -341,10 +341,10 @@ impl Workspaces {
     /// graph records where it was captured, and may have been launched on
     /// `stream` (PyTorch captures on a side stream and replays on the current
     /// one). Only the record returned is cleared, so every error is returned
-    /// once, by some sync. The records of other streams are read after this
-    /// stream's wait only: a graph launch still running elsewhere, or an
-    /// eager call on its capture stream, may write one meanwhile (the
-    /// header tells engines not to run those beside a sync).
+    /// once, by some sync. Every record is read after this stream's wait
+    /// only: a launch elsewhere of a graph captured on this stream or on
+    /// another capture stream, or a call on another capture stream, may
+    /// still write one meanwhile (the header states the condition).
     fn sync_errors(&self, device: &Device, stream: StreamHandle) -> Result<()> {
         let _g = device.bind()?;
         let s = stream as CUstream;
@@ -363,8 +363,9 @@ impl Workspaces {
     /// Returns (clearing it, on `s`, already waited for) the first error
     /// recorded in stream `key`'s workspace or in one it outgrew, among those
     /// that pass `take`; the other records stay for a later sync. The slot
-    /// is locked meanwhile (a call holds it only while it launches), then the
-    /// retired list (the order `ensure` takes them in).
+    /// is locked meanwhile (a call holds it while it grows the workspace and
+    /// launches, and with KVSWAP_SYNC=1 while it waits), then the retired
+    /// list (the order `ensure` takes them in).
     fn take_first_error(&self, slots: &[(u64, Slot)], key: u64, s: CUstream, take: impl Fn(&Workspace) -> bool) -> Result<()> {
         let slot = slots.iter().find(|(k, _)| *k == key).map(|(_, v)| v);
         let held = slot.map(|v| v.lock().unwrap_or_else(|p| p.into_inner()));
