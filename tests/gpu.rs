@@ -385,6 +385,33 @@ fn gather_launch_failure_is_retried_then_breaks_the_layer() {
     assert!(gpu.sync().unwrap_err().message.contains("never copied"), "sync reports it");
     // Layer 1 is untouched by layer 0's failure.
     check(1, &[8, 9, 10, 11]);
+
+    // The same on the engine's stream with KVSWAP_SYNC=0 (indices in device
+    // memory, nothing waited for): the failing call returns the error, the
+    // residency kernel it queued is waited for by the next sync, and the
+    // layer stays refused.
+    let gpu = Context::new(config(BackendChoice::Cuda, 16, false), &specs[..1]).unwrap();
+    gpu.store_rows(0, &ids, &rows).unwrap();
+    let dev = Device::open(0).unwrap();
+    let _g = dev.bind().unwrap();
+    let stream = OwnedStream::new().unwrap();
+    let idx = DeviceBuffer::alloc(16, "idx").unwrap();
+    let upload = |sel: &[i32; 4]| unsafe {
+        driver::copy_htod_async(idx.ptr, sel.as_ptr() as *const u8, 16, stream.0).unwrap();
+        stream.sync().unwrap();
+    };
+    upload(&[0, 1, 2, 3]);
+    unsafe { gpu.swap_in_raw(0, idx.ptr, 0, 4, stream.0 as u64) }.unwrap();
+    gpu.sync_stream(stream.0 as u64).unwrap();
+    kvswap::backend::cuda::fail_gather_launches(2);
+    upload(&[4, 5, 6, 7]);
+    let e = unsafe { gpu.swap_in_raw(0, idx.ptr, 0, 4, stream.0 as u64) }.unwrap_err();
+    assert_eq!(e.status, kvswap::KvswapStatus::DeviceError, "{e}");
+    assert!(e.message.contains("never copied"), "{e}");
+    assert!(gpu.sync_stream(stream.0 as u64).unwrap_err().message.contains("never copied"), "sync reports it");
+    upload(&[0, 1, 2, 3]);
+    let e = unsafe { gpu.swap_in_raw(0, idx.ptr, 0, 4, stream.0 as u64) }.unwrap_err();
+    assert!(e.message.contains("never copied"), "a later swap-in on the stream: {e}");
 }
 
 /// `auto` on a machine with a GPU where the CUDA backend cannot start (here:
