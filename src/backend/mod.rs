@@ -103,7 +103,15 @@ pub fn select(cfg: &Config) -> Result<Box<dyn Backend>> {
         BackendChoice::Auto => match cuda_backend(cfg) {
             Ok(b) => Ok(b),
             Err(e) => match cuda_device_count() {
-                Some(n) => Err(Error::new(e.status, format!("{}{}", e.message, auto_refusal(n)))),
+                Some(n) => Err(Error::new(
+                    e.status,
+                    format!(
+                        "{} (KVSWAP_BACKEND=auto: the driver reports {n} CUDA device(s), so there is no fall back to the \
+                         CPU backend, which would read device pointers as host memory; set KVSWAP_BACKEND=cpu, or \
+                         --backend cpu for the kvswap command, to use it)",
+                        e.message
+                    ),
+                )),
                 None => {
                     log::info!("kvswap: backend=cpu reason={:?}", e.message);
                     Ok(Box::new(cpu::CpuBackend))
@@ -111,16 +119,6 @@ pub fn select(cfg: &Config) -> Result<Box<dyn Backend>> {
             },
         },
     }
-}
-
-/// What `auto` adds to the CUDA backend's error on a machine with `n` CUDA
-/// devices (it does not fall back to the CPU there).
-pub fn auto_refusal(n: i32) -> String {
-    format!(
-        " (KVSWAP_BACKEND=auto: the driver reports {n} CUDA device(s), so there is no fall back to the CPU backend, \
-         which would read device pointers as host memory; set KVSWAP_BACKEND=cpu, or --backend cpu for the kvswap command, \
-         to use it)"
-    )
 }
 
 /// The number of CUDA devices the driver reports, None where there is no

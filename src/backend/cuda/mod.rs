@@ -580,32 +580,31 @@ impl CudaLayer {
             let grid = (count as u64 * pieces).div_ceil(8).clamp(1, self.sh.device.sm_count as u64 * 16) as u32;
             let mut vec = self.vec_ok(&[]) as u32;
             let mut params = kernel_params![d, vec];
-            let fault = || GATHER_FAULTS.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok();
-            // SAFETY: parameters match kvswap_gather(LayerDev, u32), which
-            // waits for the residency kernel (griddepcontrol.wait) first
-            // (a plain launch runs after it anyway).
-            let pdl = self.sh.pdl.load(Ordering::Relaxed);
-            let first = if fault() {
-                Err(Error::device("kvswap_gather launch refused (injected by a test)"))
-            } else if pdl {
-                unsafe { k.gather.launch_dependent(grid, 256, 0, s, &mut params) }
-            } else {
-                unsafe { k.gather.launch(grid, 256, 0, s, &mut params) }
+            // One launch attempt (dependent: after the residency kernel by
+            // griddepcontrol.wait; plain: after it by stream order). A test
+            // hook can refuse attempts.
+            let mut attempt = |dependent: bool| -> Result<()> {
+                if GATHER_FAULTS.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok() {
+                    return Err(Error::device("kvswap_gather launch refused (injected by a test)"));
+                }
+                // SAFETY: parameters match kvswap_gather(LayerDev, u32).
+                unsafe {
+                    if dependent {
+                        k.gather.launch_dependent(grid, 256, 0, s, &mut params)
+                    } else {
+                        k.gather.launch(grid, 256, 0, s, &mut params)
+                    }
+                }
             };
             // The residency kernel is queued and will map the misses to
             // slots: without the gather those slots would hold stale bytes.
-            // Retry as a plain launch (captured, it becomes the graph's
-            // node); if that fails too, an eager call leaves the layer
-            // unusable, and a captured one has ended its capture (no graph
-            // is made, so nothing runs): its error names the first cause.
-            if let Err(e1) = first {
-                let again = if fault() {
-                    Err(Error::device("kvswap_gather launch refused (injected by a test)"))
-                } else {
-                    // SAFETY: as above.
-                    unsafe { k.gather.launch(grid, 256, 0, s, &mut params) }
-                };
-                if let Err(e2) = again {
+            // A refused launch is retried as a plain one (captured, it
+            // becomes the graph's node); if that fails too, an eager call
+            // leaves the layer unusable, and a captured one has ended its
+            // capture (no graph is made): its error names the first cause.
+            let pdl = self.sh.pdl.load(Ordering::Relaxed);
+            if let Err(e1) = attempt(pdl) {
+                if let Err(e2) = attempt(false) {
                     if capturing {
                         return Err(Error::new(e1.status, format!("{} (retried as a plain launch: {})", e1.message, e2.message)));
                     }

@@ -292,17 +292,20 @@ impl Workspaces {
     /// is captured: the graph would address a buffer allocated inside its
     /// capture. A grown workspace takes over the old one's error record, so
     /// a pending error is still reported; the old one is retired.
+    /// `capturing`: `s` is being captured (the caller asked once per call).
+    #[allow(clippy::too_many_arguments)]
     fn ensure<'a>(
         &self,
         ws: &'a mut Option<Workspace>,
         s: CUstream,
+        capturing: bool,
         seqs: usize,
         chunks: usize,
         q_elems: usize,
         w_elems: usize,
     ) -> Result<&'a Workspace> {
         if !ws.as_ref().is_some_and(|w| w.seqs >= seqs && w.chunks >= chunks) {
-            if driver::is_capturing(s)? {
+            if capturing {
                 return Err(Error::invalid(format!(
                     "the scorer's workspace for this stream is smaller than this call ({seqs} sequences, {chunks} chunks) \
                      and cannot grow while the stream is captured: run the call once before capturing"
@@ -327,7 +330,7 @@ impl Workspaces {
             if let Some(old) = ws.replace(new) {
                 self.retired.lock().unwrap_or_else(|p| p.into_inner()).push((workspace_key(s), old));
             }
-        } else if driver::is_capturing(s)? {
+        } else if capturing {
             ws.as_ref().unwrap().captured.store(true, Ordering::Relaxed);
         }
         Ok(ws.as_ref().unwrap())
@@ -602,7 +605,8 @@ impl CudaScorer {
         let dev = self.device();
         let _g = dev.bind()?;
         let s = check_stream(dev, stream)?;
-        if self.sync && driver::is_capturing(s)? {
+        let capturing = driver::is_capturing(s)?;
+        if self.sync && capturing {
             return Err(Error::invalid("KVSWAP_SYNC=1 waits for the device and cannot be captured in a CUDA graph; use KVSWAP_SYNC=0"));
         }
         let mut strides = Vec::with_capacity(seqs.len());
@@ -638,7 +642,7 @@ impl CudaScorer {
         let max_group = groups.iter().map(Vec::len).max().unwrap_or(1);
         let slot = self.workspaces.slot(s);
         let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
-        let ws = self.workspaces.ensure(&mut held, s, max_group, max_chunks, self.q_elems(), self.w_elems())?;
+        let ws = self.workspaces.ensure(&mut held, s, capturing, max_group, max_chunks, self.q_elems(), self.w_elems())?;
         let sm = dev.sm_count as u32;
         let mut err = ws.err.ptr;
         let launched = (|| -> Result<()> {
@@ -944,7 +948,8 @@ impl BoundsBackend for CudaBoundsHandle {
         let dev = &me.launch.device;
         let _g = dev.bind()?;
         let s = check_stream(dev, stream)?;
-        if me.sync && driver::is_capturing(s)? {
+        let capturing = driver::is_capturing(s)?;
+        if me.sync && capturing {
             return Err(Error::invalid("KVSWAP_SYNC=1 cannot be captured in a CUDA graph; use KVSWAP_SYNC=0"));
         }
         let bytes = (b.n_chunks * b.dim * 4) as u64;
@@ -954,7 +959,7 @@ impl BoundsBackend for CudaBoundsHandle {
         check_device_ptr(dev, b.out, 4 * k as u64, "out_indices")?;
         let slot = me.workspaces.slot(s);
         let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
-        let ws = me.workspaces.ensure(&mut held, s, 1, b.n_chunks, 0, 0)?;
+        let ws = me.workspaces.ensure(&mut held, s, capturing, 1, b.n_chunks, 0, 0)?;
         let sm = dev.sm_count as u32;
         let (mut q, mut lo, mut hi, mut dim, mut n) = (b.query, b.min, b.max, b.dim as u32, b.n_chunks as u32);
         let (mut skey, mut hist, mut err) = (ws.skey.ptr, ws.hist.ptr, ws.err.ptr);
