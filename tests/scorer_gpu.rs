@@ -647,10 +647,12 @@ fn cuda_scorer_refuses_keys_not_16_byte_aligned() {
 fn cuda_batch_equals_single_calls() {
     let (mut rng, d, ckpt) = bench_setup("scorer gpu batch");
     batch_equals_single_calls(&mut rng, &d, &ckpt, &[1, 8, 64, 70]);
-    // The batched projections' staged passes with a hidden size that is not
-    // a multiple of their pass length (b8: 1024 + 264, the last 256-group
-    // read by lane 0 alone; b64: 5 x 256 + 8), 520 rows per scorer (the last
-    // block's warps partly idle), and f32 and f16 weights.
+    // The batched projection's staged passes with a hidden size that is not
+    // a multiple of their pass length (1024 + 264, the last 256-group read
+    // by lane 0 alone; two passes, both buffers), groups of 8 sequences with
+    // a partial last one (each key dtype's launch group of a 64-batch holds
+    // about 21), 520 rows per scorer (the last block's warps partly idle),
+    // and f32 and f16 weights.
     for dtype in [WeightDtype::F32, WeightDtype::F16] {
         let odd = checkpoint(&mut rng, 1, 8, 64, 1288, dtype);
         batch_equals_single_calls(&mut rng, &d, &odd, &[8, 64]);

@@ -72,25 +72,35 @@ __device__ __forceinline__ u32 hidden_slot(u32 k) {
 }
 
 // out[b][row] = W[row] . hidden_b for every row of every scorer and every
-// sequence b of the batch (up to MAXB): each warp owns RPW weight rows and
-// reads them once for all sequences; the sequences' hidden slices are staged in
-// (dynamic) shared memory KT elements at a time. Lane l always sums elements
-// l*8 + 256 j in increasing j, whatever MAXB and KT (a multiple of 256), so a
-// batch computes bit-identical projections to single calls (RPW changes
-// only how many rows share a staged hidden value read). Rows
+// sequence b of the batch: each warp owns RPW weight rows and reads them once
+// for a group of up to MAXB sequences. Lane l always sums elements l*8 + 256 j
+// in increasing j, whatever MAXB, KT (a multiple of 256) and RPW, so a batch
+// computes bit-identical projections to single calls. Rows
 // [0, FM_HEADS*FM_HEAD_DIM) of scorer i are Wq (output q, bf16), the next
 // FM_HEADS rows are Ww (output w, f32). weights: [FM_SCORERS][rows][hidden];
-// hidden % 8 == 0 (checked on the host).
+// hidden % 8 == 0 and each hidden state 16-byte aligned (checked on the host).
+//
+// MAXB == 1 (one sequence): the hidden slice (<= 16 KB) stays in L1; no
+// staging, no barrier, every warp streams its row at once.
+// MAXB > 1: the batch's sequences form groups of MAXB; block x works on group
+// x % G (G groups) and row block x / G, so the G blocks that read a row block's
+// weights are adjacent in launch order and run together: the weights come from
+// DRAM once for the whole batch, the other groups' reads hit L2. The group's
+// hidden slices are staged in shared memory KT elements at a time, two
+// buffers (cp.async: the next pass loads while this one is summed).
 template <typename T, u32 MAXB, u32 KT, u32 RPW>
 __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBatch& B, u32* err) {
-    extern __shared__ float sh_h[];  // [MAXB][KT]
+    extern __shared__ float sh_h[];  // [2][MAXB][KT] (MAXB > 1)
     constexpr u32 QR = FM_HEADS * FM_HEAD_DIM, ROWS = QR + FM_HEADS;
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
     const u32 scorer = blockIdx.y;
-    // Warp w of block x owns rows (x * FM_PROJ_ROWS + w) * RPW + r, r < RPW
+    const u32 groups = MAXB == 1 ? 1u : (B.n + MAXB - 1) / MAXB;
+    const u32 group = blockIdx.x % groups, rblock = blockIdx.x / groups;
+    const u32 base = group * MAXB, nb = min(MAXB, B.n - base);
+    // Warp w of row block x owns rows (x * FM_PROJ_ROWS + w) * RPW + r, r < RPW
     // (RPW > 1: each staged hidden value read from shared memory serves
     // RPW rows).
-    const u32 row0 = (blockIdx.x * FM_PROJ_ROWS + warp) * RPW;
+    const u32 row0 = (rblock * FM_PROJ_ROWS + warp) * RPW;
     const bool active = row0 < ROWS;
     const T* wrow = weights + ((u64)scorer * ROWS + (active ? row0 : 0)) * hidden;  // the single-sequence form's
     const T* wrows[RPW];
@@ -106,12 +116,10 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
 #pragma unroll
         for (u32 b = 0; b < MAXB; ++b) acc[r][b] = 0.f;
     if constexpr (MAXB == 1) {
-        // One sequence: the hidden slice (<= 16 KB) stays in L1; no staging,
-        // no barrier, every warp streams its row at once.
-        const float* h0 = B.seq[0].hidden + (u64)scorer * hidden;
-        if (blockIdx.x == 0 && warp == 0) {
+        const float* h0 = B.seq[base].hidden + (u64)scorer * hidden;
+        if (rblock == 0 && warp == 0) {
             for (u32 k = lane; k < hidden; k += 32)
-                if (!isfinite(h0[k])) record_error3(err, FM_ERR_HIDDEN, scorer, k, B.id[0]);
+                if (!isfinite(h0[k])) record_error3(err, FM_ERR_HIDDEN, scorer, k, B.id[base]);
         }
         if (active) {
 #pragma unroll 4
@@ -121,36 +129,60 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
                 acc[0][0] += dot8(wv, __ldg((const float4*)(h0 + k)), __ldg((const float4*)(h0 + k + 4)));
             }
         }
-    } else
-    for (u32 k0 = 0; k0 < hidden; k0 += KT) {
-        const u32 kt = min(KT, hidden - k0);
-        __syncthreads();
-        for (u32 t = threadIdx.x; t < B.n * kt; t += blockDim.x) {
-            const u32 b = t / kt, k = t % kt;
-            const float v = B.seq[b].hidden[(u64)scorer * hidden + k0 + k];
-            if (!isfinite(v) && blockIdx.x == 0) record_error3(err, FM_ERR_HIDDEN, scorer, k0 + k, B.id[b]);
-            sh_h[b * KT + hidden_slot(k)] = v;
-        }
-        __syncthreads();
-        if (!active) continue;
-#pragma unroll 4
-        for (u32 k = lane * 8; k < kt; k += 256) {
-            float wv[RPW][8];
-#pragma unroll
-            for (u32 r = 0; r < RPW; ++r) load8<T>(wrows[r] + k0 + k, wv[r]);
-            // Lane l's elements k..k+3 and k+4..k+7 (k = 256 j + 8 l) lie at
-            // 256 j + 4 l and 256 j + 128 + 4 l: each 16-byte read of a
-            // warp covers 512 contiguous bytes (no bank conflict).
-            const u32 at = (k & ~255u) + 4 * lane;
-#pragma unroll
-            for (u32 b = 0; b < MAXB; ++b) {
-                if (b < B.n) {
-                    const float* h = sh_h + b * KT + at;
-                    const float4 x0 = *(const float4*)h, x1 = *(const float4*)(h + 128);
-#pragma unroll
-                    for (u32 r = 0; r < RPW; ++r) acc[r][b] += dot8(wv[r], x0, x1);
+    } else {
+        // Starts the copy of pass p (elements [p KT, p KT + kt)) of the
+        // group's hidden slices into buffer p & 1, 16 bytes (4 elements,
+        // contiguous in hidden_slot's layout) per copy.
+        const auto stage = [&](u32 p) {
+            const u32 k0 = p * KT, kt = min(KT, hidden - k0);
+            float* buf = sh_h + (p & 1u) * (MAXB * KT);
+            for (u32 t = threadIdx.x; t < nb * (KT / 4); t += blockDim.x) {
+                const u32 b = t / (KT / 4), k = 4 * (t % (KT / 4));
+                if (k < kt) cp_async16(smem_addr(buf + b * KT + hidden_slot(k)), B.seq[base + b].hidden + (u64)scorer * hidden + k0 + k);
+            }
+            cp_async_commit();
+        };
+        const u32 passes = (hidden + KT - 1) / KT;
+        stage(0);
+        for (u32 p = 0; p < passes; ++p) {
+            const u32 k0 = p * KT, kt = min(KT, hidden - k0);
+            if (p + 1 < passes) {
+                stage(p + 1);  // its buffer was last read in pass p - 1 (barrier below)
+                cp_async_wait_one();
+            } else {
+                cp_async_wait_all();
+            }
+            __syncthreads();
+            const float* buf = sh_h + (p & 1u) * (MAXB * KT);
+            if (rblock == 0) {  // one block per group and scorer checks the values
+                for (u32 t = threadIdx.x; t < nb * KT; t += blockDim.x) {
+                    const u32 b = t / KT, k = t % KT;
+                    if (k < kt && !isfinite(buf[b * KT + hidden_slot(k)]))
+                        record_error3(err, FM_ERR_HIDDEN, scorer, k0 + k, B.id[base + b]);
                 }
             }
+            if (active) {
+#pragma unroll 4
+                for (u32 k = lane * 8; k < kt; k += 256) {
+                    float wv[RPW][8];
+#pragma unroll
+                    for (u32 r = 0; r < RPW; ++r) load8<T>(wrows[r] + k0 + k, wv[r]);
+                    // Lane l's elements k..k+3 and k+4..k+7 (k = 256 j + 8 l) lie at
+                    // 256 j + 4 l and 256 j + 128 + 4 l: each 16-byte read of a
+                    // warp covers 512 contiguous bytes (no bank conflict).
+                    const u32 at = (k & ~255u) + 4 * lane;
+#pragma unroll
+                    for (u32 b = 0; b < MAXB; ++b) {
+                        if (b < nb) {
+                            const float* h = buf + b * KT + at;
+                            const float4 x0 = *(const float4*)h, x1 = *(const float4*)(h + 128);
+#pragma unroll
+                            for (u32 r = 0; r < RPW; ++r) acc[r][b] += dot8(wv[r], x0, x1);
+                        }
+                    }
+                }
+            }
+            __syncthreads();  // every warp is done with this buffer before pass p + 2 refills it
         }
     }
     if (!active) return;
@@ -160,34 +192,39 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
         if (rr >= ROWS) break;
 #pragma unroll
         for (u32 b = 0; b < MAXB; ++b) {
-            if (b >= B.n) break;
+            if (b >= nb) break;
             float s = acc[r][b];
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(KVS_FULL_MASK, s, off);
             if (lane == 0) {
-                if (rr < QR) B.seq[b].q[(u64)scorer * QR + rr] = f32_to_bf16(s);
-                else B.seq[b].w[scorer * FM_HEADS + (rr - QR)] = s;
+                const ProjSeq& o = B.seq[base + b];
+                if (rr < QR) o.q[(u64)scorer * QR + rr] = f32_to_bf16(s);
+                else o.w[scorer * FM_HEADS + (rr - QR)] = s;
             }
         }
     }
 }
 
-// Instantiations: weight dtype x batch width (1: hidden read through L1, no
-// shared memory; 8 and 64: staged passes of 1024 and 256 elements) x rows
-// per warp (2 for b8: its accumulators leave room; b64's do not).
-#define FM_PROJECT(NAME, T, MAXB, KT, RPW)                                                       \
-    extern "C" __global__ void __launch_bounds__(FM_PROJ_ROWS * 32)                               \
+// Instantiations: weight dtype x group width (1: one sequence, hidden read
+// through L1, no shared memory; FM_PROJ_GROUP: groups of a batch, staged
+// passes of 1024 elements, two rows per warp, two blocks per SM).
+// BOUNDS: the launch bounds' arguments (b1's without a minimum block count:
+// naming one, even 1, changes its register schedule).
+#define FM_PROJECT(NAME, T, MAXB, KT, RPW, BOUNDS)                                               \
+    extern "C" __global__ void __launch_bounds__ BOUNDS                                           \
     NAME(const T* W, u32 hidden, ProjBatch B, u32* err) { project<T, MAXB, KT, RPW>(W, hidden, B, err); }
-// Rows per warp of the b8 form (the host sizes its grid by it: PROJECT_RPW
-// in src/backend/cuda/scorer.rs; no #ifndef, so a -D cannot make them differ).
+// Sequences per group, staged elements per pass and rows per warp of the
+// batched form (the host sizes its grid and shared memory by them:
+// PROJECT_GROUP, PROJECT_KT and PROJECT_RPW in src/backend/cuda/scorer.rs; no
+// #ifndef, so a -D cannot make them differ). Shared memory: 2 x 8 x 1024 x 4
+// bytes (64 KiB); two blocks per SM (the launch bounds hold the registers to
+// 64 per thread).
+#define FM_PROJ_GROUP 8
+#define FM_PROJ_KT 1024
 #define FM_PROJ_RPW8 2
-// Shared memory: MAXB * KT * 4 bytes for b8 and b64 (32 and 64 KiB), none for b1.
-FM_PROJECT(fm_project_f32_b1, float, 1, 256, 1)
-FM_PROJECT(fm_project_f32_b8, float, 8, 1024, FM_PROJ_RPW8)
-FM_PROJECT(fm_project_f32_b64, float, 64, 256, 1)
-FM_PROJECT(fm_project_bf16_b1, u16, 1, 256, 1)
-FM_PROJECT(fm_project_bf16_b8, u16, 8, 1024, FM_PROJ_RPW8)
-FM_PROJECT(fm_project_bf16_b64, u16, 64, 256, 1)
-FM_PROJECT(fm_project_f16_b1, F16, 1, 256, 1)
-FM_PROJECT(fm_project_f16_b8, F16, 8, 1024, FM_PROJ_RPW8)
-FM_PROJECT(fm_project_f16_b64, F16, 64, 256, 1)
+FM_PROJECT(fm_project_f32_b1, float, 1, 256, 1, (FM_PROJ_ROWS * 32))
+FM_PROJECT(fm_project_f32_b8, float, FM_PROJ_GROUP, FM_PROJ_KT, FM_PROJ_RPW8, (FM_PROJ_ROWS * 32, 2))
+FM_PROJECT(fm_project_bf16_b1, u16, 1, 256, 1, (FM_PROJ_ROWS * 32))
+FM_PROJECT(fm_project_bf16_b8, u16, FM_PROJ_GROUP, FM_PROJ_KT, FM_PROJ_RPW8, (FM_PROJ_ROWS * 32, 2))
+FM_PROJECT(fm_project_f16_b1, F16, 1, 256, 1, (FM_PROJ_ROWS * 32))
+FM_PROJECT(fm_project_f16_b8, F16, FM_PROJ_GROUP, FM_PROJ_KT, FM_PROJ_RPW8, (FM_PROJ_ROWS * 32, 2))

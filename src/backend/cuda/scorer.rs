@@ -46,12 +46,18 @@ const ORDER_THREADS: u32 = 512;
 const _: () = assert!(crate::scorer::FM_MAX_CHUNKS < 1 << 24);
 // Sequence indices travel as u16 (ProjBatch / ScoreBatch `id`).
 const _: () = assert!(crate::scorer::FM_MAX_SEQS <= 1 << 16);
-/// Dynamic shared memory of fm_project_*_b{1,8,64}: MAXB x KT x 4 bytes.
-const PROJECT_SMEM: [u32; 3] = [4096 * 4, 8 * 1024 * 4, 64 * 256 * 4];
+/// The batched projection (fm_project_*_b8) works on groups of PROJECT_GROUP
+/// sequences, staging PROJECT_KT hidden elements of each per pass in two
+/// buffers (`FM_PROJ_GROUP`, `FM_PROJ_KT`).
+const PROJECT_GROUP: u32 = 8;
+const PROJECT_KT: u32 = 1024;
+/// Dynamic shared memory of fm_project_*_b1 (none: it reads the hidden state
+/// through L1) and fm_project_*_b8 (2 x PROJECT_GROUP x PROJECT_KT floats).
+const PROJECT_SMEM: [u32; 2] = [0, 2 * PROJECT_GROUP * PROJECT_KT * 4];
 /// Warps per projection block (`FM_PROJ_ROWS`), each owning PROJECT_RPW rows.
 const PROJECT_ROWS: u32 = 16;
-/// Weight rows per warp of fm_project_*_b1, _b8, _b64 (`FM_PROJ_RPW8`).
-const PROJECT_RPW: [u32; 3] = [1, 2, 1];
+/// Weight rows per warp of fm_project_*_b1 and _b8 (`FM_PROJ_RPW8`).
+const PROJECT_RPW: [u32; 2] = [1, 2];
 const ERR_HIDDEN: u32 = 1;
 const ERR_SCORE: u32 = 2;
 const ERR_BOUNDS: u32 = 3;
@@ -399,7 +405,7 @@ pub struct CudaScorer {
     hidden: usize,
     weight_dtype: WeightDtype,
     weights: DeviceBuffer,
-    project: [Kernel; 3],
+    project: [Kernel; 2],
     score: Kernel,
     /// fm_score_wg_fp8 (fp8 keys as f16 register operands), when the shape has it.
     score_fp8: Option<Kernel>,
@@ -507,7 +513,7 @@ impl CudaScorer {
             let c = std::ffi::CString::new(name).unwrap();
             module.function(&c)
         };
-        let project = [f(format!("fm_project_{tag}_b1"))?, f(format!("fm_project_{tag}_b8"))?, f(format!("fm_project_{tag}_b64"))?];
+        let project = [f(format!("fm_project_{tag}_b1"))?, f(format!("fm_project_{tag}_b8"))?];
         for (kernel, &bytes) in project.iter().zip(&PROJECT_SMEM) {
             kernel.set_max_dynamic_smem(bytes as i32)?;
         }
@@ -660,14 +666,19 @@ impl CudaScorer {
                     for (i, &orig) in group.iter().enumerate() {
                         pb.seq[i] = ProjSeq { hidden: seqs[orig].hidden, q: q_at(i), w: w_at(i) };
                     }
-                    let which = if b == 1 { 0 } else if b <= 8 { 1 } else { 2 };
+                    // One sequence: b1. Several: b8, one block per row block
+                    // and group of PROJECT_GROUP sequences, a row block's
+                    // groups adjacent (x = row block * groups + group), so
+                    // they read its weights together (from DRAM once).
+                    let (which, groups) = if b == 1 { (0, 1) } else { (1, (b as u32).div_ceil(PROJECT_GROUP)) };
                     let kernel = &self.project[which];
                     let rows = (self.heads * self.head_dim + self.heads) as u32;
                     let (mut wptr, mut hid) = (self.weights.ptr, self.hidden as u32);
                     let mut params = kernel_params![wptr, hid, pb, err];
+                    let grid = (rows.div_ceil(PROJECT_ROWS * PROJECT_RPW[which]) * groups, self.n_scorers as u32);
                     // SAFETY: parameters match fm_project_*(const T*, u32, ProjBatch, u32*);
                     // hidden and q/w buffers were checked / sized above.
-                    unsafe { kernel.launch_2d((rows.div_ceil(PROJECT_ROWS * PROJECT_RPW[which]), self.n_scorers as u32), 32 * PROJECT_ROWS, PROJECT_SMEM[which], s, &mut params)? };
+                    unsafe { kernel.launch_2d(grid, 32 * PROJECT_ROWS, PROJECT_SMEM[which], s, &mut params)? };
                 }
                 let mut sb = ScoreBatch {
                     n_seqs: b as u32,
@@ -1025,6 +1036,8 @@ mod tests {
         assert_eq!(define("FM_RANK_MAX"), TOPK_MAX as u64);
         assert_eq!(define("FM_PROJ_ROWS"), PROJECT_ROWS as u64);
         assert_eq!(define("FM_PROJ_RPW8"), PROJECT_RPW[1] as u64);
+        assert_eq!(define("FM_PROJ_GROUP"), PROJECT_GROUP as u64);
+        assert_eq!(define("FM_PROJ_KT"), PROJECT_KT as u64);
         assert_eq!(define("FM_MAX_BATCH"), MAX_BATCH as u64);
         assert_eq!(define("WG_GROUPS"), WG_GROUPS as u64);
         assert_eq!(define("WG_STAGES"), WG_STAGES as u64);
