@@ -155,18 +155,3 @@ __device__ __forceinline__ void flush_hist(const u32* sh_hist, u32* hist) {
         if ((lane & 15u) == 0 && c) atomicAdd(&hist[FM_HIST + i / FM_FINE_PER_COARSE], c);
     }
 }
-
-// Asynchronous global -> shared copies (sm_80+): 16 bytes (bypassing L1) or
-// 4 bytes; commit closes a group; wait_all waits for every group, wait_one
-// for all but the newest.
-__device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(g));
-}
-__device__ __forceinline__ void cp_async4(u32 saddr, const void* g) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(saddr), "l"(g));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
-
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }

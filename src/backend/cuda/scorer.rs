@@ -47,13 +47,13 @@ const _: () = assert!(crate::scorer::FM_MAX_CHUNKS < 1 << 24);
 // Sequence indices travel as u16 (ProjBatch / ScoreBatch `id`).
 const _: () = assert!(crate::scorer::FM_MAX_SEQS <= 1 << 16);
 /// The batched projection (fm_project_*_b8) works on groups of PROJECT_GROUP
-/// sequences, staging PROJECT_KT hidden elements of each per pass in two
-/// buffers (`FM_PROJ_GROUP`, `FM_PROJ_KT`).
+/// sequences, staging PROJECT_KT hidden elements of each per pass
+/// (`FM_PROJ_GROUP`, `FM_PROJ_KT`).
 const PROJECT_GROUP: u32 = 8;
 const PROJECT_KT: u32 = 1024;
 /// Dynamic shared memory of fm_project_*_b1 (none: it reads the hidden state
-/// through L1) and fm_project_*_b8 (2 x PROJECT_GROUP x PROJECT_KT floats).
-const PROJECT_SMEM: [u32; 2] = [0, 2 * PROJECT_GROUP * PROJECT_KT * 4];
+/// through L1) and fm_project_*_b8 (PROJECT_GROUP x PROJECT_KT floats).
+const PROJECT_SMEM: [u32; 2] = [0, PROJECT_GROUP * PROJECT_KT * 4];
 /// Warps per projection block (`FM_PROJ_ROWS`), each owning PROJECT_RPW rows.
 const PROJECT_ROWS: u32 = 16;
 /// Weight rows per warp of fm_project_*_b1 and _b8 (`FM_PROJ_RPW8`).
