@@ -649,7 +649,7 @@ fn cuda_batch_equals_single_calls() {
     batch_equals_single_calls(&mut rng, &d, &ckpt, &[1, 8, 64, 70]);
     // The batched projection's staged passes with a hidden size that is not
     // a multiple of their pass length (1024 + 264, the last 256-group read
-    // by lane 0 alone; two passes, both buffers), groups of 8 sequences with
+    // by lane 0 alone; two passes of the one staging buffer), groups of 8 sequences with
     // a partial last one (each key dtype's launch group of a 64-batch holds
     // about 21), 520 rows per scorer (the last block's warps partly idle),
     // and f32 and f16 weights.
@@ -716,7 +716,8 @@ fn cuda_bounds_scorer_matches_reference() {
 /// sequence of a 70-sequence bf16/fp8 batch makes the fp8 group's outputs -1
 /// and leaves the bf16 group (launched first) equal to its single calls.
 /// With KVSWAP_SYNC=0, an error pending when the stream's workspace grows is
-/// still reported by `sync` (once), and later calls are good again.
+/// still reported by `sync` (once), and later calls are good again. An Inf
+/// in a later staged pass of a later group of 8 is named too.
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn cuda_batch_errors_name_the_sequence_and_survive_growth() {
@@ -765,6 +766,25 @@ fn cuda_batch_errors_name_the_sequence_and_survive_growth() {
     let got = gpu_topk(&d, &lazy, &hidden, &big, k).unwrap();
     check_topk(&got, &scores, &tol, k as usize, "after the reported error");
     assert_ne!(good, got, "two inputs, two results");
+
+    // The batched projection's check past its first staged pass, in a later
+    // group of 8: 20 sequences (groups at 0, 8, 16), a hidden size of 1,288
+    // (passes of 1,024 + 264), Inf at sequence 17, scorer 1, position 1,100.
+    let wide = checkpoint(&mut rng, 2, 8, 64, 1288, WeightDtype::Bf16);
+    let scorer = Scorer::new(wide.clone(), 0).unwrap();
+    let poison = |i: usize, hidden: &mut [f32]| {
+        if i == 17 {
+            hidden[1288 + 1100] = f32::INFINITY;
+        }
+    };
+    let batch = random_batch(&d, &mut rng, &scorer, 20, k, &[KeyDtype::Bf16], (300, 700), poison);
+    let e = unsafe { scorer.score_topk_batch(&batch.seqs, k, d.stream.0 as u64) }.unwrap_err();
+    assert!(e.message.contains("sequence 17") && e.message.contains("scorer 1") && e.message.contains("position 1100"), "{e}");
+    for (i, bufs) in batch.bufs.iter().enumerate() {
+        let got = d.download_i32(&bufs.out, k as usize);
+        assert!(got.iter().all(|&x| x == -1), "sequence {i} (the failing launch group): {got:?}");
+    }
+    scorer.sync(d.stream.0 as u64).unwrap();
 }
 
 /// Shapes the CUDA kernels do not cover are refused with UNSUPPORTED (naming

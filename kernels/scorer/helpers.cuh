@@ -16,7 +16,7 @@
 //   topk.cu             fm_select, fm_order
 //
 //   fm_project_*   q = Wq h, w = Ww h for every scorer (and every sequence of a
-//                  batch), weights read once; q is written in bf16 for the MMA.
+//                  batch, 8 per block); q is written in bf16 for the MMA.
 //   fm_score_*     per chunk: s_i = sum_h w[i,h] * relu(scale * (q[i,h] . key)),
 //                  ensemble (max or mean) -> a sortable 32-bit key per chunk,
 //                  and a histogram of the keys' top FM_HIST_BITS bits.

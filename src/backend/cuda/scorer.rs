@@ -1,5 +1,7 @@
 //! The FlashMemory scorer on CUDA (kernels/scorer/): projections (one GEMV
-//! over all scorers, weights read once per batch of up to 64 sequences),
+//! over all scorers; a batch's launch group of up to 64 sequences is one
+//! launch whose blocks for 8 sequences at a time read each weight row
+//! together),
 //! tensor-core scoring with the ensemble fused in, and an exact top-k (filed
 //! by fm_select, ranked by fm_order). Four launches per call, chained by
 //! programmatic dependent launch on Hopper; no host synchronisation unless
@@ -668,14 +670,15 @@ impl CudaScorer {
                     }
                     // One sequence: b1. Several: b8, one block per row block
                     // and group of PROJECT_GROUP sequences, a row block's
-                    // groups adjacent (x = row block * groups + group), so
-                    // they read its weights together (from DRAM once).
-                    let (which, groups) = if b == 1 { (0, 1) } else { (1, (b as u32).div_ceil(PROJECT_GROUP)) };
+                    // groups adjacent (x = row block * n_groups + group), so
+                    // they read its weights at the same time (L2 can serve
+                    // one group's reads to the others).
+                    let (which, n_groups) = if b == 1 { (0, 1) } else { (1, (b as u32).div_ceil(PROJECT_GROUP)) };
                     let kernel = &self.project[which];
                     let rows = (self.heads * self.head_dim + self.heads) as u32;
                     let (mut wptr, mut hid) = (self.weights.ptr, self.hidden as u32);
                     let mut params = kernel_params![wptr, hid, pb, err];
-                    let grid = (rows.div_ceil(PROJECT_ROWS * PROJECT_RPW[which]) * groups, self.n_scorers as u32);
+                    let grid = (rows.div_ceil(PROJECT_ROWS * PROJECT_RPW[which]) * n_groups, self.n_scorers as u32);
                     // SAFETY: parameters match fm_project_*(const T*, u32, ProjBatch, u32*);
                     // hidden and q/w buffers were checked / sized above.
                     unsafe { kernel.launch_2d(grid, 32 * PROJECT_ROWS, PROJECT_SMEM[which], s, &mut params)? };
