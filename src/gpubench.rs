@@ -794,14 +794,17 @@ pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
             }
         }
     }
-    // Batched: B sequences of 32K chunks, one call, beside B single calls.
+    // Batched: B sequences of 32K chunks, each with its own hidden state and
+    // keys, one call, beside B single calls.
     let mut batch = Vec::new();
     let per = 32_768usize;
+    let hiddens: Vec<u8> = (0..64 * sc * hid).flat_map(|i| (((i * 7919 + i / 4096) % 1000) as f32 / 500.0 - 1.0).to_le_bytes()).collect();
+    let hiddens = bench.upload(&hiddens, "hidden states")?;
     for bsz in [1usize, 8, 64] {
         let (keys, scales) = bench.keys(KeyDtype::Bf16, per * bsz)?;
         let seqs: Vec<SeqRef> = (0..bsz)
             .map(|i| SeqRef {
-                hidden: hidden.ptr,
+                hidden: hiddens.ptr + (i * sc * hid * 4) as u64,
                 keys: KeysRef { data: keys.ptr + (i * per * d * 2) as u64, scales: scales.ptr, row_stride: 0, dtype: KeyDtype::Bf16 },
                 n_chunks: per,
                 out: out.ptr + (4 * k * i) as u64,

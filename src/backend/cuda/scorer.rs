@@ -671,8 +671,9 @@ impl CudaScorer {
                     // One sequence: b1. Several: b8, one block per row block
                     // and group of PROJECT_GROUP sequences, a row block's
                     // groups adjacent (x = row block * n_groups + group), so
-                    // they read its weights at the same time (L2 can serve
-                    // one group's reads to the others).
+                    // they read its weights at the same time (L2 serves one
+                    // group's reads to the others: the weights come from
+                    // DRAM once per launch, measured with ncu).
                     let (which, n_groups) = if b == 1 { (0, 1) } else { (1, (b as u32).div_ceil(PROJECT_GROUP)) };
                     let kernel = &self.project[which];
                     let rows = (self.heads * self.head_dim + self.heads) as u32;
