@@ -86,11 +86,13 @@ __device__ __forceinline__ u32 hidden_slot(u32 k) {
 // x % G (G groups) and row block x / G: the G blocks that read a row block's
 // weights are adjacent in launch order and run together, so L2 serves one
 // group's weight reads to the others (H200, B = 64, bf16: 206 MB read from
-// DRAM for 203 MB of weights, L2 hit rate 83%, ncu; 17.8 us per sequence
-// against 19.7 with a launch per group and 34.0 with one group of 64). The group's
-// hidden slices are staged in shared memory KT elements at a time (plain
-// loads and stores: cp.async copies into two buffers, the next pass loading
-// while this one is summed, measured 1.6x slower at B = 8).
+// DRAM for 203 MB of weights, L2 hit rate 83%, ncu; with 4-byte staging and
+// one hidden state for all sequences, 17.8 us per sequence against 19.7 with
+// a launch per group and 34.0 with one group of 64). The group's
+// hidden slices are staged in shared memory KT elements at a time, 16-byte
+// loads and stores (4-byte ones measured 1.36x slower at B = 8; cp.async
+// copies into two buffers, the next pass loading while this one is summed,
+// 1.6x slower than those).
 template <typename T, u32 MAXB, u32 KT, u32 RPW>
 __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBatch& B, u32* err) {
     extern __shared__ float sh_h[];  // [MAXB][KT] (MAXB > 1)
@@ -136,9 +138,11 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
         for (u32 k0 = 0; k0 < hidden; k0 += KT) {
             const u32 kt = min(KT, hidden - k0);
             __syncthreads();  // every warp is done with the previous pass
-            for (u32 t = threadIdx.x; t < nb * kt; t += blockDim.x) {
-                const u32 b = t / kt, k = t % kt;
-                sh_h[b * KT + hidden_slot(k)] = B.seq[base + b].hidden[(u64)scorer * hidden + k0 + k];
+            // 16 bytes per copy: four elements, contiguous in hidden_slot's
+            // layout (kt % 8 == 0 and the hidden states 16-byte aligned).
+            for (u32 t = threadIdx.x; t < nb * (kt / 4); t += blockDim.x) {
+                const u32 b = t / (kt / 4), k = 4 * (t % (kt / 4));
+                *(float4*)(sh_h + b * KT + hidden_slot(k)) = *(const float4*)(B.seq[base + b].hidden + (u64)scorer * hidden + k0 + k);
             }
             __syncthreads();
             // One block per group and scorer checks the staged values (a
