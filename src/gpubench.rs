@@ -798,7 +798,10 @@ pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
     // keys, one call, beside B single calls.
     let mut batch = Vec::new();
     let per = 32_768usize;
-    let hiddens: Vec<u8> = (0..64 * sc * hid).flat_map(|i| (((i * 7919 + i / 4096) % 1000) as f32 / 500.0 - 1.0).to_le_bytes()).collect();
+    let hiddens: Vec<u8> = (0..64 * sc * hid)
+        .map(|i| (((i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) % 1000) as f32 / 500.0 - 1.0)
+        .flat_map(f32::to_le_bytes)
+        .collect();
     let hiddens = bench.upload(&hiddens, "hidden states")?;
     for bsz in [1usize, 8, 64] {
         let (keys, scales) = bench.keys(KeyDtype::Bf16, per * bsz)?;

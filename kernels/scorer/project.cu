@@ -84,15 +84,16 @@ __device__ __forceinline__ u32 hidden_slot(u32 k) {
 // staging, no barrier, every warp streams its row at once.
 // MAXB > 1: the batch's sequences form groups of MAXB; block x works on group
 // x % G (G groups) and row block x / G: the G blocks that read a row block's
-// weights are adjacent in launch order and run together, so L2 serves one
-// group's weight reads to the others (H200, B = 64, bf16: 206 MB read from
-// DRAM for 203 MB of weights, L2 hit rate 83%, ncu; with 4-byte staging and
-// one hidden state for all sequences, 17.8 us per sequence against 19.7 with
-// a launch per group and 34.0 with one group of 64). The group's
-// hidden slices are staged in shared memory KT elements at a time, 16-byte
-// loads and stores (4-byte ones measured 1.36x slower at B = 8; cp.async
+// weights are adjacent in launch order and run together, so L2 can serve one
+// group's weight reads to the others. Measured on the H200 (bf16 weights,
+// B = 64, session 28), with the 4-byte staging that preceded the 16-byte one
+// below: 206 MB read from DRAM for 203 MB of weights, L2 hit rate 83% (ncu);
+// with one hidden state for all sequences, 17.8 us per sequence against 19.7
+// with a launch per group and 34.0 with one group of 64. The group's hidden
+// slices are staged in shared memory KT elements at a time, 16-byte loads
+// and stores (at B = 8, 4-byte ones measured 1.36x slower, and cp.async
 // copies into two buffers, the next pass loading while this one is summed,
-// 1.6x slower than those).
+// 1.6x slower than the 4-byte ones).
 template <typename T, u32 MAXB, u32 KT, u32 RPW>
 __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBatch& B, u32* err) {
     extern __shared__ float sh_h[];  // [MAXB][KT] (MAXB > 1)

@@ -340,11 +340,13 @@ pub extern "C" fn fm_score_topk(
 /// group that finds one and of the call's later groups are written as -1;
 /// the error names the sequence (its index in `seqs`) and the chunk or
 /// hidden position, as for `fm_score_topk`.
-/// The weights are read once per launch group, not once per sequence (on
+/// The weights are read for a whole launch group, not once per sequence (on
 /// CUDA a launch group's projections are one launch whose blocks for 8
-/// sequences at a time read each weight row at the same time, and L2 serves
-/// one block's reads to the others), so a batch is cheaper than `n_seqs`
-/// single calls. `seqs` itself is host memory on every backend.
+/// sequences at a time read each weight row at the same time, so L2 can
+/// serve one block's reads to the others: measured on an H200 with bf16
+/// weights, 64 sequences read them from DRAM once), so a batch is cheaper
+/// than `n_seqs` single calls. `seqs` itself is host memory on every
+/// backend.
 /// Errors: those of `fm_score_topk`, per sequence, plus
 /// `KVSWAP_STATUS_NULL_POINTER` (NULL `seqs`) and for `n_seqs` 0
 /// (`KVSWAP_STATUS_INVALID_ARGUMENT`) or above FM_MAX_SEQS
