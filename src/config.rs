@@ -3,6 +3,7 @@
 //! original engine's `POCKETLLM_GGUF_*` names accepted as aliases).
 
 use crate::error::{Error, KvswapStatus, Result};
+use crate::layer::ID_COUNT_MAX;
 use std::ffi::{c_char, CStr};
 use std::path::PathBuf;
 
@@ -174,8 +175,8 @@ fn parse_uint<T: TryFrom<u128>>(var: &str, v: &str, what: &str) -> Result<T> {
 /// (0 allowed when `zero_ok`), refused naming the variable actually set.
 fn parse_count(var: &str, v: &str, what: &str, zero_ok: bool) -> Result<u32> {
     let n: u32 = parse_uint(var, v, what)?;
-    if (n == 0 && !zero_ok) || n > i32::MAX as u32 / 2 {
-        return Err(bad(var, v, &format!("{what}, at most {}", i32::MAX as u32 / 2)));
+    if (n == 0 && !zero_ok) || n as u64 > ID_COUNT_MAX {
+        return Err(bad(var, v, &format!("{what}, at most {ID_COUNT_MAX}")));
     }
     Ok(n)
 }
@@ -286,7 +287,7 @@ impl Config {
         if self.gpu_chunks == 0 {
             return Err(Error::invalid("gpu_chunks must be >= 1 (KVSWAP_GPU_CHUNKS)"));
         }
-        if self.gpu_chunks > i32::MAX as u32 / 2 {
+        if self.gpu_chunks as u64 > ID_COUNT_MAX {
             return Err(Error::invalid(format!(
                 "gpu_chunks={} is too large (KVSWAP_GPU_CHUNKS)",
                 self.gpu_chunks
@@ -295,7 +296,7 @@ impl Config {
         if self.index_topk == 0 {
             return Err(Error::invalid("index_topk must be >= 1 (KVSWAP_INDEX_TOPK)"));
         }
-        if self.window > i32::MAX as u32 / 2 {
+        if self.window as u64 > ID_COUNT_MAX {
             return Err(Error::invalid(format!("window={} is too large (KVSWAP_WINDOW)", self.window)));
         }
         if let Some(p) = &self.fm_ckpt {

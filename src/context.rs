@@ -184,8 +184,15 @@ impl Context {
                 ids.len()
             )));
         }
-        // Rows are numbered in u32 (the backends' row lists); the checked ids
-        // are reserved fallibly (a huge batch is OUT_OF_MEMORY, not an abort).
+        let checked = self.checked_ids(layer, ids)?;
+        // SAFETY: forwarded caller contract.
+        unsafe { self.layer(layer)?.store(&checked, src, stride, stream) }
+    }
+
+    /// The ids of a store batch, each checked against `layer`'s capacity.
+    /// Rows are numbered in u32 (the backends' row lists); the ids are
+    /// reserved fallibly (a huge batch is OUT_OF_MEMORY, not an abort).
+    fn checked_ids(&self, layer: usize, ids: &[i32]) -> Result<Vec<u32>> {
         if ids.len() > u32::MAX as usize {
             return Err(Error::out_of_range(format!("n = {}: a store batch holds at most {} rows", ids.len(), u32::MAX)));
         }
@@ -193,8 +200,7 @@ impl Context {
         for &id in ids {
             checked.push(self.check_id(layer, id as i64)?);
         }
-        // SAFETY: forwarded caller contract.
-        unsafe { self.layer(layer)?.store(&checked, src, stride, stream) }
+        Ok(checked)
     }
 
     /// One `swap_in_selected` call (see DESIGN.md, residency rules).
@@ -208,7 +214,7 @@ impl Context {
             return Err(Error::null("indices"));
         }
         self.check_count(layer, plan, count as usize)?;
-        if window_len as u64 + plan.slots as u64 >= 1 << 30 {
+        if window_len as u64 + plan.slots as u64 >= crate::layer::PHYS_ID_BOUND {
             return Err(Error::out_of_range(format!(
                 "window_len={window_len} + slots must stay below 2^30"
             )));
@@ -278,7 +284,7 @@ impl Context {
                 n as u128 * ids.len() as u128
             )));
         }
-        let checked = ids.iter().map(|&id| self.check_id(layer, id as i64)).collect::<Result<Vec<u32>>>()?;
+        let checked = self.checked_ids(layer, ids)?;
         self.layer(layer)?.store_host(&checked, rows)
     }
 
@@ -291,7 +297,7 @@ impl Context {
             .checked_sub(window_len as usize)
             .ok_or_else(|| Error::invalid("window_len is larger than the index buffer"))?;
         self.check_count(layer, plan, count)?;
-        if window_len as u64 + plan.slots as u64 >= 1 << 30 {
+        if window_len as u64 + plan.slots as u64 >= crate::layer::PHYS_ID_BOUND {
             return Err(Error::out_of_range(format!("window_len={window_len} + slots must stay below 2^30")));
         }
         self.layer(layer)?.swap_in_host(indices, window_len)

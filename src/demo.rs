@@ -134,13 +134,13 @@ impl DemoParams {
         if self.window as u64 > MAX_WINDOW {
             return Err(PlanError::new("--window", self.window, format!("at most {MAX_WINDOW} tokens")));
         }
-        if self.gpu_chunks as u64 + self.window as u64 >= 1 << 30 {
+        if self.gpu_chunks as u64 + self.window as u64 >= crate::layer::PHYS_ID_BOUND {
             return Err(PlanError::new("--gpu-chunks", self.gpu_chunks, "--window + --gpu-chunks must stay below 2^30 (int32 physical ids)"));
         }
-        if self.context.checked_add(self.steps).is_none() || self.capacity() >= i32::MAX as u64 / 2 {
+        if self.context.checked_add(self.steps).is_none() || self.capacity() >= crate::layer::ID_COUNT_MAX {
             return Err(PlanError::new("--context", self.context, "context + steps is too long for int32 chunk ids"));
         }
-        if self.kv_dim as u64 * 4 > 1 << 30 {
+        if self.kv_dim as u64 * 4 > crate::layer::CHUNK_BYTES_MAX {
             return Err(PlanError::new("--kv-dim", self.kv_dim, "a chunk of 4 x kv_dim bytes must fit in 1 GiB"));
         }
         Ok(())

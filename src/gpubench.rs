@@ -700,9 +700,6 @@ impl FmBench<'_> {
     }
 }
 
-/// The FlashMemory scorer benchmark: `score` (q and w given) and `full`
-/// (with the projections) scopes, bf16 and fp8 keys, the batched form, and a
-/// whole decode step (scorer -> swap-in of 21 layers sharing the top-k).
 /// Bytes per second (GB/s) a streaming read of `bytes` of `buf` reaches
 /// (kvswap_read_probe: four 16-byte loads in flight per thread, a full
 /// device of threads, nothing written).
@@ -720,6 +717,9 @@ fn read_rate(dev: &Device, buf: &DeviceBuffer, bytes: usize, s: sys::CUstream, r
     Ok(bytes as f64 / (ms * 1e-3) / 1e9)
 }
 
+/// The FlashMemory scorer benchmark: `score` (q and w given) and `full`
+/// (with the projections) scopes, bf16 and fp8 keys, the batched form, and a
+/// whole decode step (scorer -> swap-in of 21 layers sharing the top-k).
 pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
     let dev = Device::open(device)?;
     let _g = dev.bind()?;

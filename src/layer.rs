@@ -70,6 +70,18 @@ pub struct StagingView {
     pub rows: u32,
 }
 
+/// Ids (logical and physical, `window + slot`) are int32 with headroom:
+/// every count that becomes one (compressed_cap, gpu_chunks, window) is at
+/// most ID_COUNT_MAX, and `window + slots` stays below PHYS_ID_BOUND
+/// (internal: the header states these limits in its docs).
+/// cbindgen:ignore
+pub const ID_COUNT_MAX: u64 = i32::MAX as u64 / 2;
+/// cbindgen:ignore
+pub const PHYS_ID_BOUND: u64 = 1 << 30;
+/// The largest chunk a layer holds.
+/// cbindgen:ignore
+pub const CHUNK_BYTES_MAX: u64 = 1 << 30;
+
 /// A layer as the context resolved it.
 #[derive(Clone, Copy, Debug)]
 pub struct LayerPlan {
@@ -92,12 +104,28 @@ impl LayerPlan {
         self.staging.map(|(_, s)| s).unwrap_or(self.chunk_bytes as u64)
     }
 
+    /// The error of a refused selected entry, as both backends report it.
+    pub fn entry_error(&self, e: crate::residency::EntryError) -> Error {
+        use crate::residency::EntryError;
+        let layer = self.index;
+        match e {
+            EntryError::OutOfRange { pos, id } => Error::out_of_range(format!(
+                "layer {layer}: selected id {id} at selection position {pos} (indices[window_len + {pos}]) is outside 0..{} (compressed_cap)",
+                self.compressed_cap
+            )),
+            EntryError::NotStored { pos, id } => Error::new(
+                KvswapStatus::NotStored,
+                format!("layer {layer}: selected chunk {id} at selection position {pos} (indices[window_len + {pos}]) was never stored"),
+            ),
+        }
+    }
+
     /// Validates an engine spec and decides swap and slots.
     pub fn resolve(index: usize, spec: &KvswapLayerSpec, cfg: &Config) -> Result<LayerPlan> {
         if spec.compressed_cap == 0 {
             return Err(Error::invalid(format!("layer {index}: compressed_cap is 0")));
         }
-        if spec.compressed_cap >= i32::MAX as u64 / 2 {
+        if spec.compressed_cap >= ID_COUNT_MAX {
             return Err(Error::out_of_range(format!(
                 "layer {index}: compressed_cap={} is too large (ids are int32)",
                 spec.compressed_cap
@@ -106,7 +134,7 @@ impl LayerPlan {
         if spec.chunk_bytes == 0 {
             return Err(Error::invalid(format!("layer {index}: chunk_bytes is 0")));
         }
-        if spec.chunk_bytes > (1 << 30) {
+        if spec.chunk_bytes > CHUNK_BYTES_MAX {
             return Err(Error::out_of_range(format!(
                 "layer {index}: chunk_bytes={} is above 1 GiB",
                 spec.chunk_bytes
@@ -139,7 +167,7 @@ impl LayerPlan {
             }
             Some((spec.staging as u64, stride))
         };
-        if (cfg.window as u64) + (slots as u64) >= 1 << 30 {
+        if (cfg.window as u64) + (slots as u64) >= PHYS_ID_BOUND {
             return Err(Error::out_of_range(format!(
                 "layer {index}: window + slots does not fit in an int32 physical id"
             )));

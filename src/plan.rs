@@ -432,23 +432,23 @@ pub fn plan(model: &Model, context: u64) -> Result<Plan, PlanError> {
 /// The limits `kvswap_create` applies (README, the header) that this setup
 /// breaks: the plan still prints its figures, and says so.
 fn create_limits(model: &Model, classes: &[ClassPlan]) -> Vec<String> {
-    const ID_LIMIT: u64 = i32::MAX as u64 / 2; // ids and physical ids are int32
+    use crate::layer::{CHUNK_BYTES_MAX, ID_COUNT_MAX, PHYS_ID_BOUND};
     let mut w = Vec::new();
-    if model.chunk_bytes() > 1 << 30 {
+    if model.chunk_bytes() > CHUNK_BYTES_MAX {
         w.push(format!("chunk_bytes {} is above kvswap_create's limit of 1 GiB", thousands(model.chunk_bytes())));
     }
-    if model.window as u64 > ID_LIMIT {
-        w.push(format!("window {} is above the limit {} (KVSWAP_WINDOW)", thousands(model.window as u64), thousands(ID_LIMIT)));
+    if model.window as u64 > ID_COUNT_MAX {
+        w.push(format!("window {} is above the limit {} (KVSWAP_WINDOW)", thousands(model.window as u64), thousands(ID_COUNT_MAX)));
     }
     for c in classes {
-        if c.compressed_cap >= ID_LIMIT {
+        if c.compressed_cap >= ID_COUNT_MAX {
             w.push(format!(
                 "layers at ratio {}: compressed_cap {} is at or above kvswap_create's limit {} (ids are int32)",
                 c.ratio,
                 thousands(c.compressed_cap),
-                thousands(ID_LIMIT)
+                thousands(ID_COUNT_MAX)
             ));
-        } else if model.window as u64 + if c.swap { model.gpu_chunks as u64 } else { c.compressed_cap } >= 1 << 30 {
+        } else if model.window as u64 + if c.swap { model.gpu_chunks as u64 } else { c.compressed_cap } >= PHYS_ID_BOUND {
             w.push(format!("layers at ratio {}: window + slots reach 2^30 (physical ids are int32)", c.ratio));
         }
     }

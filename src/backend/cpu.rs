@@ -6,7 +6,7 @@ use crate::config::Config;
 use crate::error::{Error, KvswapStatus, Result};
 use crate::hostmem::HostBuf;
 use crate::layer::{dedup_last, KvswapLayerStats, LayerPlan, StagingView};
-use crate::residency::{EntryError, Residency};
+use crate::residency::Residency;
 use std::sync::Arc;
 
 pub struct CpuBackend;
@@ -87,20 +87,6 @@ impl CpuLayer {
             Staging::Engine { ptr, stride } => unsafe { ptr.add(slot as usize * stride) },
         }
     }
-
-    fn entry_error(&self, e: EntryError) -> Error {
-        let layer = self.plan.index;
-        match e {
-            EntryError::OutOfRange { pos, id } => Error::out_of_range(format!(
-                "layer {layer}: selected id {id} at selection position {pos} (indices[window_len + {pos}]) is outside 0..{} (compressed_cap)",
-                self.plan.compressed_cap
-            )),
-            EntryError::NotStored { pos, id } => Error::new(
-                KvswapStatus::NotStored,
-                format!("layer {layer}: selected chunk {id} at selection position {pos} (indices[window_len + {pos}]) was never stored"),
-            ),
-        }
-    }
 }
 
 impl LayerOps for CpuLayer {
@@ -131,7 +117,7 @@ impl LayerOps for CpuLayer {
         let outcome = self
             .residency
             .swap_in(entries, window_len as i32, self.strict)
-            .map_err(|e| self.entry_error(e))?;
+            .map_err(|e| self.plan.entry_error(e))?;
         let n = self.plan.chunk_bytes;
         for &(slot, id) in self.residency.last_misses() {
             // SAFETY: distinct rows of `n` bytes in different allocations.
@@ -143,7 +129,7 @@ impl LayerOps for CpuLayer {
         self.stats.evictions += outcome.evictions as u64;
         self.stats.h2d_bytes += outcome.misses as u64 * n as u64;
         if let Some(e) = outcome.deferred {
-            let err = self.entry_error(e);
+            let err = self.plan.entry_error(e);
             self.deferred.get_or_insert(err);
         }
         if self.validate {

@@ -14,11 +14,11 @@ fn before(a: &(f64, u32), b: &(f64, u32)) -> Ordering {
 /// finite inputs give finite f64 scores).
 pub fn topk(scores: &[f64], k: usize) -> Vec<i32> {
     debug_assert!(scores.iter().all(|s| !s.is_nan()));
-    // `s + 0.0` turns -0.0 into +0.0 (and changes nothing else), so the two
-    // zeros tie as they do in a float comparison on the device.
     if k == 0 {
         return Vec::new();
     }
+    // `s + 0.0` turns -0.0 into +0.0 (and changes nothing else), so the two
+    // zeros tie as they do in a float comparison on the device.
     let mut items: Vec<(f64, u32)> = scores.iter().enumerate().map(|(i, &s)| (s + 0.0, i as u32)).collect();
     if k < items.len() {
         items.select_nth_unstable_by(k - 1, before);

@@ -12,6 +12,7 @@ use super::{Backend, BackendKind, LayerOps, StreamHandle};
 use crate::config::Config;
 use crate::error::{Error, KvswapStatus, Result};
 use crate::layer::{dedup_last, KvswapLayerStats, LayerPlan, StagingView};
+use crate::residency::EntryError;
 use driver::{kernel_params, CUstream, Device, DeviceBuffer, Event, Kernel, Module, OwnedStream, PinnedBuffer};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -515,15 +516,10 @@ impl CudaLayer {
         driver::stream_sync(s)?;
         let (code, pos, id) = (e[0], e[1], e[2] as i32);
         let layer = self.plan.index;
+        let pos = pos as usize;
         Err(match code {
-            ERR_OUT_OF_RANGE => Error::out_of_range(format!(
-                "layer {layer}: selected id {id} at selection position {pos} (indices[window_len + {pos}]) is outside 0..{} (compressed_cap)",
-                self.plan.compressed_cap
-            )),
-            ERR_NOT_STORED => Error::new(
-                KvswapStatus::NotStored,
-                format!("layer {layer}: selected chunk {id} at selection position {pos} (indices[window_len + {pos}]) was never stored"),
-            ),
+            ERR_OUT_OF_RANGE => self.plan.entry_error(EntryError::OutOfRange { pos, id }),
+            ERR_NOT_STORED => self.plan.entry_error(EntryError::NotStored { pos, id }),
             ERR_VALIDATION => Error::new(
                 KvswapStatus::ValidationFailed,
                 format!("layer {layer}: the slot of chunk {id} (position {pos}) differs from its host copy"),

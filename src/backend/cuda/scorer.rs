@@ -742,7 +742,7 @@ impl CudaScorer {
             // A launch failed after earlier kernels of the call were queued:
             // a scoring kernel may have filled histograms that no fm_order
             // will zero, and the next call would select from stale counts.
-            if !driver::is_capturing(s).unwrap_or(true) {
+            if !capturing {
                 let _ = ws.reset_selection(s);
             }
             return Err(e);
@@ -921,13 +921,28 @@ impl CudaBounds {
     /// but the device and the stream are checked and the stream waited for
     /// all the same.
     pub fn sync_errors(device: i32, stream: StreamHandle) -> Result<()> {
-        let found = ALL_BOUNDS.get().and_then(|all| all.lock().unwrap_or_else(|p| p.into_inner()).get(&(device, false)).cloned());
-        if let Some(me) = found {
+        // The asynchronous instance holds the error records; a synchronous
+        // one still gives the device without opening it again.
+        let (asynch, synch) = match ALL_BOUNDS.get() {
+            Some(all) => {
+                let map = all.lock().unwrap_or_else(|p| p.into_inner());
+                (map.get(&(device, false)).cloned(), map.get(&(device, true)).cloned())
+            }
+            None => (None, None),
+        };
+        if let Some(me) = asynch {
             return me.workspaces.sync_errors(&me.launch.device, stream);
         }
-        let dev = open_device(device)?;
+        let opened;
+        let dev = match &synch {
+            Some(b) => &b.launch.device,
+            None => {
+                opened = open_device(device)?;
+                &opened
+            }
+        };
         let _g = dev.bind()?;
-        super::check_waitable(&dev, stream as CUstream, "wait for it")?;
+        super::check_waitable(dev, stream as CUstream, "wait for it")?;
         driver::stream_sync(stream as CUstream)
     }
 
@@ -999,7 +1014,7 @@ impl BoundsBackend for CudaBoundsHandle {
         if let Err(e) = me.select.launch(&me.launch, sel, blocks, err, s) {
             // As in CudaScorer::run: the scoring kernel (or fm_select) may
             // have filled counts that no fm_order will zero.
-            if !driver::is_capturing(s).unwrap_or(true) {
+            if !capturing {
                 let _ = ws.reset_selection(s);
             }
             return Err(e);
