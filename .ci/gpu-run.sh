@@ -55,6 +55,8 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "variant-*-[12].json"))):
         rows.setdefault((r["scope"], r["keys"], r["chunks"]), {}).setdefault(name, []).append(r["kvswap_us"])
     for r in j.get("spread", []):  # score distributions (score scope, bf16)
         rows.setdefault(("scores", r["scores"], r["chunks"]), {}).setdefault(name, []).append(r["kvswap_us"])
+    for r in j.get("batch", []):  # batched form: us per sequence
+        rows.setdefault(("batch", f"B={r['seqs']} per seq", r["chunks_per_seq"]), {}).setdefault(name, []).append(r["per_seq_us"])
 names = sorted({n for v in rows.values() for n in v})
 kw = max([4] + [len(k[1]) for k in rows])  # the keys column: dtypes, or score-distribution names
 print(f"scope  {'keys':{kw}s} chunks   " + "  ".join(f"{n:>22s}" for n in names))
@@ -103,6 +105,11 @@ for seqs in [b["seqs"] for b in first.get("batch", [])]:
     print(f"batch B={seqs:<3d} per sequence   baseline {cells('baseline', f)}   this {cells('this', f)}")
 step = lambda j: f"scorer {j['step']['scorer_us']:6.1f} step {j['step']['step_us']:6.1f}" if j.get("step") else "-"
 print(f"decode step              baseline {cells('baseline', step)}   this {cells('this', step)}")
+for p in [w["streams"] for w in (first.get("step") or {}).get("streams", [])]:
+    def f(j, p=p):
+        w = next((w for w in (j.get("step") or {}).get("streams", []) if w["streams"] == p), None)
+        return f"step {w['step_us']:6.1f}" if w else "-"
+    print(f"  layers on {p:2d} streams      baseline {cells('baseline', f)}   this {cells('this', f)}")
 PY
 fi
 if [[ $what == ffi ]]; then

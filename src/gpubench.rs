@@ -579,6 +579,21 @@ pub struct FmStepRow {
     pub overhead_us: f64,
     /// step / scorer.
     pub ratio_to_scorer: f64,
+    /// The same step with the layers' copies and swap-ins spread over
+    /// several streams forked from the scorer's (each layer's swap-in
+    /// depends only on the top-k, so an engine may issue them side by side).
+    pub streams: Vec<FmStepStreams>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct FmStepStreams {
+    /// Streams the 21 layers are spread over (layer l on stream l % streams).
+    pub streams: usize,
+    pub step_us: f64,
+    /// step - scorer.
+    pub overhead_us: f64,
+    /// step / scorer.
+    pub ratio_to_scorer: f64,
 }
 
 /// The score scope at one size under a given score distribution: how many
@@ -919,12 +934,46 @@ fn decode_step(bench: &FmBench, hidden0: &DeviceBuffer, chunks: usize, k: usize)
     let g_scorer = Graph::capture(s, || (0..steps).try_for_each(&score))?;
     let g_copies = Graph::capture(s, || (0..steps).try_for_each(|t| score(t).and_then(|_| copies())))?;
     let g_full = Graph::capture(s, || (0..steps).try_for_each(|t| score(t).and_then(|_| copies()).and_then(|_| swaps())))?;
+    // The step with layer l's copy and swap-in on side stream l % p: the
+    // side streams fork from `s` after the scorer and join it at the end of
+    // each step (event record / wait inside the capture: graph edges).
+    let side: Vec<OwnedStream> = (0..layers).map(|_| OwnedStream::new()).collect::<Result<_>>()?;
+    let fork = Event::new(false)?;
+    let joins: Vec<Event> = (0..layers).map(|_| Event::new(false)).collect::<Result<_>>()?;
+    let spread_step = |p: usize, t: usize| -> Result<()> {
+        score(t)?;
+        fork.record(s)?;
+        for st in &side[..p] {
+            driver::stream_wait_event(st.0, &fork, false)?;
+        }
+        for (l, b) in idx.iter().enumerate() {
+            let ss = side[l % p].0;
+            dtod(b.ptr + 4 * WINDOW as u64, topk.ptr, 4 * k, ss)?;
+            // SAFETY: index buffers of WINDOW + k ints.
+            unsafe { ctx.swap_in_raw(l, b.ptr, WINDOW as u32, k as u32, ss as u64)? };
+        }
+        for (st, j) in side[..p].iter().zip(&joins) {
+            j.record(st.0)?;
+            driver::stream_wait_event(s, j, false)?;
+        }
+        Ok(())
+    };
+    let g_spread: Vec<(usize, Graph)> = [3usize, 7, 21]
+        .into_iter()
+        .map(|p| Graph::capture(s, || (0..steps).try_for_each(|t| spread_step(p, t))).map(|g| (p, g)))
+        .collect::<Result<_>>()?;
     let before = ctx.stats(0)?;
     let t_full = time_ms(s, bench.rounds, || g_full.launch(s))? * 1e3 / steps as f64;
     driver::stream_sync(s)?;
     let after = ctx.stats(0)?;
     let t_copies = time_ms(s, bench.rounds, || g_copies.launch(s))? * 1e3 / steps as f64;
     let t_scorer = time_ms(s, bench.rounds, || g_scorer.launch(s))? * 1e3 / steps as f64;
+    let mut streams = Vec::with_capacity(g_spread.len());
+    for (p, g) in &g_spread {
+        let t = time_ms(s, bench.rounds, || g.launch(s))? * 1e3 / steps as f64;
+        streams.push(FmStepStreams { streams: *p, step_us: t, overhead_us: (t - t_scorer).max(0.0), ratio_to_scorer: t / t_scorer });
+    }
+    driver::stream_sync(s)?;
     let (hh, mm) = (after.hits - before.hits, after.misses - before.misses);
     let _ = d;
     Ok(FmStepRow {
@@ -937,6 +986,7 @@ fn decode_step(bench: &FmBench, hidden0: &DeviceBuffer, chunks: usize, k: usize)
         copies_us: (t_copies - t_scorer).max(0.0),
         overhead_us: (t_full - t_scorer).max(0.0),
         ratio_to_scorer: t_full / t_scorer,
+        streams,
     })
 }
 
@@ -983,6 +1033,12 @@ pub fn render_fm(r: &FmReport) -> String {
             t.overhead_us,
             t.copies_us
         );
+        for w in &t.streams {
+            s += &format!(
+                "  the layers' copies and swap-ins on {:>2} streams forked from the scorer's: whole step {:.1} us ({:.2}x the scorer alone), {:.1} us over the scorer\n",
+                w.streams, w.step_us, w.ratio_to_scorer, w.overhead_us
+            );
+        }
     }
     s
 }

@@ -58,7 +58,7 @@ pub const MIN_DRIVER_VERSION: i32 = 12030;
 /// `what`: the part of kvswap that needs it.
 pub fn check_driver_version(what: &str) -> Result<()> {
     let v = driver_version();
-    check_min_driver(v, what)?;
+    check_min_driver(v, MIN_DRIVER_VERSION, what)?;
     if super::nvrtc::available() {
         check_nvrtc_major(super::nvrtc::version()?, v, what)?;
     }
@@ -87,16 +87,18 @@ pub fn check_nvrtc_major(nvrtc: (i32, i32), driver: i32, what: &str) -> Result<(
     Ok(())
 }
 
-fn check_min_driver(v: i32, what: &str) -> Result<()> {
-    if v < MIN_DRIVER_VERSION {
+/// `KVSWAP_STATUS_UNSUPPORTED` when the driver's CUDA version `v` is below
+/// `min`, naming both; `what` needs `min`.
+fn check_min_driver(v: i32, min: i32, what: &str) -> Result<()> {
+    if v < min {
         return Err(Error::new(
             KvswapStatus::Unsupported,
             format!(
                 "the CUDA driver supports CUDA {}.{}; {what} needs {}.{} or newer (use the CPU backend, or update the driver)",
                 v / 1000,
                 v % 1000 / 10,
-                MIN_DRIVER_VERSION / 1000,
-                MIN_DRIVER_VERSION % 1000 / 10
+                min / 1000,
+                min % 1000 / 10
             ),
         ));
     }
@@ -425,12 +427,7 @@ impl Event {
     /// bindings have only `cuEventElapsedTime_v2`, a CUDA 12.8 symbol: older
     /// drivers get `KVSWAP_STATUS_UNSUPPORTED`, not cudarc's panic.
     pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
-        if driver_version() < 12080 {
-            return Err(Error::new(
-                KvswapStatus::Unsupported,
-                "event timing (cuEventElapsedTime_v2) needs a CUDA 12.8 or newer driver; kvswap bench cannot time on this one",
-            ));
-        }
+        check_min_driver(driver_version(), 12080, "event timing (cuEventElapsedTime_v2, kvswap bench)")?;
         let mut ms = 0f32;
         // SAFETY: both events live and recorded.
         check(unsafe { sys::cuEventElapsedTime_v2(&mut ms, self.0, end.0) }, "cuEventElapsedTime")?;
@@ -687,10 +684,13 @@ mod tests {
     #[test]
     fn driver_version_checks() {
         // Below the oldest supported driver: UNSUPPORTED, naming both versions.
-        let e = check_min_driver(12020, "the CUDA backend").unwrap_err();
+        let e = check_min_driver(12020, MIN_DRIVER_VERSION, "the CUDA backend").unwrap_err();
         assert_eq!(e.status, KvswapStatus::Unsupported);
         assert!(e.message.contains("CUDA 12.2") && e.message.contains("12.3 or newer"), "{}", e.message);
-        check_min_driver(MIN_DRIVER_VERSION, "x").unwrap();
+        check_min_driver(MIN_DRIVER_VERSION, MIN_DRIVER_VERSION, "x").unwrap();
+        // Event timing's own minimum (12.8).
+        let e = check_min_driver(12060, 12080, "event timing").unwrap_err();
+        assert!(e.message.contains("CUDA 12.6") && e.message.contains("12.8 or newer"), "{}", e.message);
         // NVRTC of a newer major than the driver: its CUBINs would not load.
         let e = check_nvrtc_major((13, 0), 12080, "the CUDA scorer").unwrap_err();
         assert_eq!(e.status, KvswapStatus::Unsupported);

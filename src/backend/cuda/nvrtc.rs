@@ -21,13 +21,18 @@ pub fn available() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
-/// NVRTC's (major, minor) version.
+/// NVRTC's (major, minor) version (asked once per process).
 pub fn version() -> Result<(i32, i32)> {
-    require()?;
-    let (mut a, mut b) = (0, 0);
-    // SAFETY: writes two ints.
-    nvrtc_check(unsafe { sys::nvrtcVersion(&mut a, &mut b) }, "nvrtcVersion")?;
-    Ok((a, b))
+    static VERSION: OnceLock<Result<(i32, i32)>> = OnceLock::new();
+    VERSION
+        .get_or_init(|| {
+            require()?;
+            let (mut a, mut b) = (0, 0);
+            // SAFETY: writes two ints.
+            nvrtc_check(unsafe { sys::nvrtcVersion(&mut a, &mut b) }, "nvrtcVersion")?;
+            Ok((a, b))
+        })
+        .clone()
 }
 
 fn require() -> Result<()> {
