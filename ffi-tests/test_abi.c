@@ -1426,6 +1426,109 @@ static void test_guards(void) {
 
 /* ---- asynchronous mode ---- */
 
+/* kvswap_swap_in_layers: three layers in one call (not in layer order), the
+ * shared top-k copied in, against one kvswap_swap_in_selected per layer on
+ * a twin context (index buffers, counters, deferred errors); then refusals,
+ * each naming its request and changing nothing. With sync = 0, so on CUDA
+ * the layers run on the context's side streams. */
+static void test_swap_in_layers(void) {
+    enum { NL = 3, CAP = 32, CB = 32, SLOTS = 4, WIN = 2, CNT = 4, N = WIN + CNT };
+    KvswapConfig cfg = test_config(1, SLOTS, SLOTS);
+    cfg.sync = 0;
+    KvswapLayerSpec specs[NL] = {layer_spec(CAP, CB), layer_spec(CAP, CB), layer_spec(CAP, CB)};
+    KvswapContext *multi = create_ok(&cfg, specs, NL);
+    KvswapContext *single = create_ok(&cfg, specs, NL);
+    /* Chunks 0..27 of every layer stored in both; 28..31 never. */
+    int32_t ids[CAP - 4];
+    uint8_t rows[(CAP - 4) * CB];
+    for (uint32_t l = 0; l < NL; l++) {
+        for (uint32_t i = 0; i < CAP - 4; i++) {
+            ids[i] = (int32_t)i;
+            fill_chunk(rows + i * CB, CB, l, i, 1);
+        }
+        CHECK_OK(store_batch_dev(multi, l, ids, CAP - 4, rows, sizeof rows, 0));
+        CHECK_OK(store_batch_dev(single, l, ids, CAP - 4, rows, sizeof rows, 0));
+    }
+    const uint32_t order[NL] = {2, 0, 1};
+    int32_t *dev_idx[NL];
+    for (uint32_t i = 0; i < NL; i++) dev_idx[i] = (int32_t *)dm_alloc(N * sizeof(int32_t));
+    int32_t *dev_topk = (int32_t *)dm_alloc(CNT * sizeof(int32_t));
+    KvswapSwapIn req[NL];
+    for (int step = 0; step < 40; step++) {
+        int32_t topk[CNT];
+        for (uint32_t j = 0; j < CNT; j++) {
+            uint32_t r = rnd(40);
+            topk[j] = r == 0 ? -1 : r == 1 ? (int32_t)(CAP - 1) /* never stored */ : (int32_t)((step + rnd(12)) % (CAP - 4));
+        }
+        int32_t host[N] = {WIN_SENTINEL(0), WIN_SENTINEL(1), -5, -5, -5, -5};
+        for (uint32_t i = 0; i < NL; i++) dm_upload(dev_idx[i], host, sizeof host);
+        dm_upload(dev_topk, topk, sizeof topk);
+        for (uint32_t i = 0; i < NL; i++) {
+            memset(&req[i], 0, sizeof req[i]);
+            req[i].layer = order[i];
+            req[i].window_len = WIN;
+            req[i].count = CNT;
+            req[i].indices = dev_idx[i];
+        }
+        CHECK_OK(kvswap_swap_in_layers(multi, req, NL, dev_topk, cur_stream()));
+        for (uint32_t i = 0; i < NL; i++) {
+            int32_t expect[N] = {WIN_SENTINEL(0), WIN_SENTINEL(1), topk[0], topk[1], topk[2], topk[3]};
+            CHECK_OK(swap_dev(single, order[i], expect, N, WIN, CNT));
+            int32_t got[N];
+            dm_sync();
+            dm_download(got, dev_idx[i], sizeof got);
+            if (memcmp(got, expect, sizeof got) != 0)
+                FAIL("step %d layer %u: {%d %d %d %d} after kvswap_swap_in_layers, {%d %d %d %d} one call per layer", step,
+                     order[i], got[2], got[3], got[4], got[5], expect[2], expect[3], expect[4], expect[5]);
+        }
+        enum KvswapStatus a = kvswap_sync(multi, cur_stream()), b = kvswap_sync(single, cur_stream());
+        if (a != b) FAIL("step %d: deferred errors differ: %s vs %s", step, sname(a), sname(b));
+        for (uint32_t l = 0; l < NL; l++) {
+            KvswapLayerStats x = stats_of_at(__LINE__, multi, l), y = stats_of_at(__LINE__, single, l);
+            if (memcmp(&x, &y, sizeof x) != 0) FAIL("step %d layer %u: counters differ", step, l);
+        }
+    }
+
+    /* Refusals: nothing changes, the message names the request. */
+    Snapshot before = snapshot_at(__LINE__, multi, NL);
+    for (uint32_t i = 0; i < NL; i++) {
+        memset(&req[i], 0, sizeof req[i]);
+        req[i].layer = order[i];
+        req[i].window_len = WIN;
+        req[i].count = CNT;
+        req[i].indices = dev_idx[i];
+    }
+    CHECK_ERR(kvswap_swap_in_layers(multi, NULL, NL, dev_topk, cur_stream()), KVSWAP_STATUS_NULL_POINTER, "requests");
+    CHECK_ERR(kvswap_swap_in_layers(NULL, req, NL, dev_topk, cur_stream()), KVSWAP_STATUS_NULL_POINTER, "ctx");
+    CHECK_ERR(kvswap_swap_in_layers(multi, req, 0, dev_topk, cur_stream()), KVSWAP_STATUS_INVALID_ARGUMENT, "n is 0");
+    req[2].layer = 2;
+    CHECK_ERR(kvswap_swap_in_layers(multi, req, NL, dev_topk, cur_stream()), KVSWAP_STATUS_INVALID_ARGUMENT,
+              "requests[0] and requests[2] both name layer 2");
+    req[2].layer = 7;
+    CHECK_ERR(kvswap_swap_in_layers(multi, req, NL, dev_topk, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE,
+              "requests[2] (layer 7): layer 7 is out of range");
+    req[2].layer = 1;
+    req[1].reserved = 1;
+    CHECK_ERR(kvswap_swap_in_layers(multi, req, NL, dev_topk, cur_stream()), KVSWAP_STATUS_INVALID_ARGUMENT,
+              "requests[1] (layer 0): reserved is 1");
+    req[1].reserved = 0;
+    req[1].indices = dev_idx[0] + 1; /* its entries start inside request 0's */
+    CHECK_ERR(kvswap_swap_in_layers(multi, req, NL, dev_topk, cur_stream()), KVSWAP_STATUS_INVALID_ARGUMENT, "overlap");
+    req[1].indices = dev_idx[1];
+    CHECK_ERR(kvswap_swap_in_layers(multi, req, NL, dev_idx[2] + WIN + 1, cur_stream()), KVSWAP_STATUS_INVALID_ARGUMENT,
+              "overlap topk");
+    req[0].count = SLOTS + 1;
+    CHECK_ERR(kvswap_swap_in_layers(multi, req, NL, NULL, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE,
+              "requests[0] (layer 2): layer 2: count=5");
+    same_snapshot_at(__LINE__, multi, &before);
+
+    for (uint32_t i = 0; i < NL; i++) dm_free(dev_idx[i]);
+    dm_free(dev_topk);
+    kvswap_destroy(multi);
+    kvswap_destroy(single);
+    group_done("swap_in_layers");
+}
+
 static void test_async(void) {
     KvswapConfig cfg = test_config(1, 4, 4);
     cfg.sync = 0;
@@ -3494,6 +3597,7 @@ int main(void) {
     test_lru_script();
     test_guards();
     test_async();
+    test_swap_in_layers();
     test_disabled();
     test_validate();
     test_streams_and_pointers();

@@ -170,6 +170,22 @@ typedef struct KvswapLayerSpec {
 // before or after it.
 typedef void *KvswapStream;
 
+// One layer's swap-in in a `kvswap_swap_in_layers` call: the arguments of
+// `kvswap_swap_in_selected` for that layer.
+typedef struct KvswapSwapIn {
+  // The layer (each layer at most once per call).
+  uint32_t layer;
+  // Entries before the selection, left untouched.
+  uint32_t window_len;
+  // Selected entries: `indices[window_len .. window_len + count)`.
+  uint32_t count;
+  // Must be 0.
+  uint32_t reserved;
+  // The layer's index buffer (device memory on CUDA): on return its
+  // selected entries hold physical ids `window_len + slot`.
+  int32_t *indices;
+} KvswapSwapIn;
+
 // Counters of one layer since the context was created.
 typedef struct KvswapLayerStats {
   // Selected chunks that were already in a slot (distinct per call).
@@ -429,6 +445,45 @@ enum KvswapStatus kvswap_swap_in_selected(struct KvswapContext *ctx,
                                           uint32_t window_len,
                                           uint32_t count,
                                           KvswapStream stream);
+
+// The swap-ins of several layers in one call: for each of the `n`
+// requests (host memory), what `kvswap_swap_in_selected(ctx,
+// requests[i].layer, requests[i].indices, requests[i].window_len,
+// requests[i].count, stream)` does, with the same results, counters and
+// errors for that layer. For engines whose layers share one global top-k
+// (as the original engine's do): with `topk` not NULL, `topk[0 ..
+// requests[i].count)` (device memory on CUDA) is first copied into each
+// request's selected entries, so the scorer's output needs no copy per
+// layer; with `topk` NULL the entries already hold the selection.
+//
+// On the CUDA backend with `sync = 0` the layers run side by side, on up
+// to 32 streams of the context forked from `stream` and joined back to it:
+// `stream`'s later work (and a graph's later nodes) waits for every layer.
+// The call may be captured in a CUDA graph; its streams are made by the
+// first call outside a capture (a call captured before any has been made
+// runs its layers one after another on `stream`). With `sync = 1`, and on
+// the CPU backend, the layers run one after another in the requests' order;
+// with `sync = 1` the call stops at the first layer whose swap-in fails
+// and returns its error (naming the request and layer): the layers before
+// it are done, it and the ones after it are unchanged, except that `topk`
+// was already copied into its entries.
+//
+// Every argument of every request is checked before any layer changes:
+// `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`, `requests` or a request's
+// `indices`); `KVSWAP_STATUS_INVALID_ARGUMENT` (`n` 0, a layer named twice,
+// selected entries that overlap another request's or `topk`, a nonzero
+// `reserved`, a misaligned pointer, on CUDA the NULL stream or host memory);
+// `KVSWAP_STATUS_OUT_OF_RANGE` (as `kvswap_swap_in_selected`, per request;
+// on CUDA `topk` past the end of its allocation);
+// `KVSWAP_STATUS_WRONG_DEVICE`; `KVSWAP_STATUS_DEVICE_ERROR`;
+// `KVSWAP_STATUS_PANIC`. Errors in the entries themselves (ids never
+// stored or out of range) are found per layer, as in
+// `kvswap_swap_in_selected`.
+enum KvswapStatus kvswap_swap_in_layers(struct KvswapContext *ctx,
+                                        const struct KvswapSwapIn *requests,
+                                        size_t n,
+                                        const int32_t *topk,
+                                        KvswapStream stream);
 
 // Writes the counters of `layer` to `*out`. Waits for the layer's last
 // eager call (after a graph launch, call `kvswap_sync` with the launch

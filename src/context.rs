@@ -7,7 +7,7 @@
 use crate::backend::{self, Backend, BackendKind, LayerOps, StreamHandle};
 use crate::config::Config;
 use crate::error::{Error, KvswapStatus, Result};
-use crate::layer::{check_pinned_cap, total_host_bytes, KvswapLayerSpec, KvswapLayerStats, LayerPlan, StagingView};
+use crate::layer::{check_pinned_cap, total_host_bytes, KvswapLayerSpec, KvswapLayerStats, KvswapSwapIn, LayerPlan, StagingView};
 use std::sync::{Mutex, MutexGuard};
 
 /// Field order is drop order: the layers (and their device memory) go
@@ -220,7 +220,101 @@ impl Context {
             )));
         }
         // SAFETY: forwarded caller contract.
-        unsafe { self.layer(layer)?.swap_in(indices, window_len, count, stream) }
+        unsafe { self.layer(layer)?.swap_in(indices, window_len, count, 0, stream) }
+    }
+
+    /// `kvswap_swap_in_layers`: the swap-ins of `requests`, as one
+    /// `swap_in_raw` call each, after copying `topk` (0: none; `count` ids
+    /// for each request) into the request's selected entries. Every argument
+    /// is checked for every request before any layer changes. On CUDA with
+    /// `KVSWAP_SYNC=0` the layers run side by side on streams forked from
+    /// `stream`; otherwise one after another, in the requests' order.
+    ///
+    /// # Safety
+    /// Each request's `indices` must address `window_len + count` int32
+    /// values of the backend's memory space that nothing else touches during
+    /// the call; `topk`, when not 0, the largest `count` of them.
+    pub unsafe fn swap_in_layers_raw(&self, requests: &[KvswapSwapIn], topk: u64, stream: StreamHandle) -> Result<()> {
+        if requests.is_empty() {
+            return Err(Error::invalid("n is 0: a kvswap_swap_in_layers call needs at least one request"));
+        }
+        let at = |i: usize, r: &KvswapSwapIn, e: Error| r.error(i, e);
+        // The bytes each request's selected entries span, and topk's.
+        let mut spans: Vec<(u64, u64, Option<usize>)> = Vec::with_capacity(requests.len() + 1);
+        let mut max_count = 0u32;
+        for (i, r) in requests.iter().enumerate() {
+            let layer = r.layer as usize;
+            let plan = self.plan(layer).map_err(|e| at(i, r, e))?;
+            let indices = r.indices as u64;
+            if indices == 0 {
+                return Err(at(i, r, Error::null("indices")));
+            }
+            if indices % 4 != 0 {
+                return Err(at(i, r, Error::invalid(format!("indices ({indices:#x}) is not aligned to 4 bytes"))));
+            }
+            if r.reserved != 0 {
+                return Err(at(i, r, Error::invalid(format!("reserved is {}: it must be 0", r.reserved))));
+            }
+            self.check_count(layer, plan, r.count as usize).map_err(|e| at(i, r, e))?;
+            if r.window_len as u64 + plan.slots as u64 >= crate::layer::PHYS_ID_BOUND {
+                return Err(at(i, r, Error::out_of_range(format!("window_len={} + slots must stay below 2^30", r.window_len))));
+            }
+            let start = indices
+                .checked_add(4 * (r.window_len as u64 + r.count as u64))
+                .map(|end| end - 4 * r.count as u64)
+                .ok_or_else(|| at(i, r, Error::out_of_range("indices + window_len + count runs past the end of the address space")))?;
+            if r.count > 0 {
+                spans.push((start, start + 4 * r.count as u64, Some(i)));
+            }
+            max_count = max_count.max(r.count);
+        }
+        let mut layers: Vec<usize> = requests.iter().map(|r| r.layer as usize).collect();
+        layers.sort_unstable();
+        if let Some(w) = layers.windows(2).find(|w| w[0] == w[1]) {
+            let pos: Vec<usize> = requests.iter().enumerate().filter(|(_, r)| r.layer as usize == w[0]).map(|(i, _)| i).collect();
+            return Err(Error::invalid(format!(
+                "requests[{}] and requests[{}] both name layer {}: a call swaps each layer in at most once",
+                pos[0], pos[1], w[0]
+            )));
+        }
+        if topk != 0 {
+            if topk % 4 != 0 {
+                return Err(Error::invalid(format!("topk ({topk:#x}) is not aligned to 4 bytes")));
+            }
+            let end = topk.checked_add(4 * max_count as u64).ok_or_else(|| Error::out_of_range("topk + count runs past the end of the address space"))?;
+            if max_count > 0 {
+                spans.push((topk, end, None));
+            }
+        }
+        // Entries written side by side must not overlap, nor the topk they
+        // are copied from.
+        spans.sort_unstable();
+        if let Some(w) = spans.windows(2).find(|w| w[1].0 < w[0].1) {
+            let name = |x: Option<usize>| x.map_or("topk".to_string(), |i| format!("requests[{i}]'s selected entries"));
+            return Err(Error::invalid(format!("{} overlap {}: each layer's entries need a buffer of their own", name(w[0].2), name(w[1].2))));
+        }
+        // Locked in layer order (two calls sharing layers cannot deadlock),
+        // used in the requests' order.
+        let mut order: Vec<usize> = (0..requests.len()).collect();
+        order.sort_unstable_by_key(|&i| requests[i].layer);
+        let mut guards: Vec<Option<MutexGuard<'_, Box<dyn LayerOps>>>> = (0..requests.len()).map(|_| None).collect();
+        for &i in &order {
+            guards[i] = Some(self.layer(requests[i].layer as usize).map_err(|e| at(i, &requests[i], e))?);
+        }
+        let mut work: Vec<(&mut Box<dyn LayerOps>, KvswapSwapIn)> =
+            guards.iter_mut().zip(requests).map(|(g, r)| (&mut **g.as_mut().expect("locked above"), *r)).collect();
+        for (i, (l, r)) in work.iter().enumerate() {
+            l.check_swap_in(r.indices as u64, r.window_len, r.count, topk, stream).map_err(|e| at(i, r, e))?;
+        }
+        if self.config.sync {
+            // SAFETY: forwarded caller contract.
+            work.iter_mut()
+                .enumerate()
+                .try_for_each(|(i, (l, r))| unsafe { l.swap_in(r.indices as u64, r.window_len, r.count, topk, stream) }.map_err(|e| r.error(i, e)))
+        } else {
+            // SAFETY: forwarded caller contract; checked as that method asks.
+            unsafe { self.backend.swap_in_layers(&mut work, topk, stream) }
+        }
     }
 
     /// Counters of `layer`; reports a deferred error first.

@@ -583,6 +583,9 @@ pub struct FmStepRow {
     /// several streams forked from the scorer's (each layer's swap-in
     /// depends only on the top-k, so an engine may issue them side by side).
     pub streams: Vec<FmStepStreams>,
+    /// The step through one `kvswap_swap_in_layers` call (top-k copies
+    /// included; the layers on the context's streams, one per layer).
+    pub layers_call: FmStepStreams,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -962,6 +965,18 @@ fn decode_step(bench: &FmBench, hidden0: &DeviceBuffer, chunks: usize, k: usize)
         .into_iter()
         .map(|p| Graph::capture(s, || (0..steps).try_for_each(|t| spread_step(p, t))).map(|g| (p, g)))
         .collect::<Result<_>>()?;
+    // The same through kvswap_swap_in_layers: one call copies the top-k into
+    // every layer's entries and runs the layers on the context's streams.
+    let requests: Vec<crate::KvswapSwapIn> = idx
+        .iter()
+        .enumerate()
+        .map(|(l, b)| crate::KvswapSwapIn { layer: l as u32, window_len: WINDOW as u32, count: k as u32, reserved: 0, indices: b.ptr as *mut i32 })
+        .collect();
+    // SAFETY: index buffers of WINDOW + k ints, topk of k, none overlapping.
+    let layers_call = || -> Result<()> { unsafe { ctx.swap_in_layers_raw(&requests, topk.ptr, s as u64) } };
+    layers_call()?; // outside a capture first: makes the context's streams
+    driver::stream_sync(s)?;
+    let g_layers = Graph::capture(s, || (0..steps).try_for_each(|t| score(t).and_then(|_| layers_call())))?;
     let before = ctx.stats(0)?;
     let t_full = time_ms(s, bench.rounds, || g_full.launch(s))? * 1e3 / steps as f64;
     driver::stream_sync(s)?;
@@ -973,7 +988,9 @@ fn decode_step(bench: &FmBench, hidden0: &DeviceBuffer, chunks: usize, k: usize)
         let t = time_ms(s, bench.rounds, || g.launch(s))? * 1e3 / steps as f64;
         streams.push(FmStepStreams { streams: *p, step_us: t, overhead_us: (t - t_scorer).max(0.0), ratio_to_scorer: t / t_scorer });
     }
+    let t_layers = time_ms(s, bench.rounds, || g_layers.launch(s))? * 1e3 / steps as f64;
     driver::stream_sync(s)?;
+    ctx.sync_stream(s as u64)?;
     let (hh, mm) = (after.hits - before.hits, after.misses - before.misses);
     let _ = d;
     Ok(FmStepRow {
@@ -987,6 +1004,12 @@ fn decode_step(bench: &FmBench, hidden0: &DeviceBuffer, chunks: usize, k: usize)
         overhead_us: (t_full - t_scorer).max(0.0),
         ratio_to_scorer: t_full / t_scorer,
         streams,
+        layers_call: FmStepStreams {
+            streams: layers,
+            step_us: t_layers,
+            overhead_us: (t_layers - t_scorer).max(0.0),
+            ratio_to_scorer: t_layers / t_scorer,
+        },
     })
 }
 
@@ -1032,6 +1055,11 @@ pub fn render_fm(r: &FmReport) -> String {
             t.ratio_to_scorer,
             t.overhead_us,
             t.copies_us
+        );
+        let w = &t.layers_call;
+        s += &format!(
+            "  one kvswap_swap_in_layers call (top-k copies included, layers on the context's streams): whole step {:.1} us ({:.2}x the scorer alone), {:.1} us over the scorer\n",
+            w.step_us, w.ratio_to_scorer, w.overhead_us
         );
         for w in &t.streams {
             s += &format!(

@@ -5,6 +5,32 @@ use crate::config::Config;
 use crate::error::{Error, KvswapStatus, Result};
 use std::ffi::c_void;
 
+/// One layer's swap-in in a `kvswap_swap_in_layers` call: the arguments of
+/// `kvswap_swap_in_selected` for that layer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct KvswapSwapIn {
+    /// The layer (each layer at most once per call).
+    pub layer: u32,
+    /// Entries before the selection, left untouched.
+    pub window_len: u32,
+    /// Selected entries: `indices[window_len .. window_len + count)`.
+    pub count: u32,
+    /// Must be 0.
+    pub reserved: u32,
+    /// The layer's index buffer (device memory on CUDA): on return its
+    /// selected entries hold physical ids `window_len + slot`.
+    pub indices: *mut i32,
+}
+
+impl KvswapSwapIn {
+    /// `e` of request `i` (this one) of a `kvswap_swap_in_layers` call,
+    /// naming the request and its layer.
+    pub fn error(&self, i: usize, e: Error) -> Error {
+        Error::new(e.status, format!("requests[{i}] (layer {}): {}", self.layer, e.message))
+    }
+}
+
 /// One layer as the engine describes it to `kvswap_create`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

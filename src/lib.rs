@@ -27,4 +27,4 @@ pub use backend::BackendKind;
 pub use config::{BackendChoice, Config, Ensemble, KvswapConfig};
 pub use context::Context;
 pub use error::{Error, KvswapStatus, Result};
-pub use layer::{KvswapLayerSpec, KvswapLayerStats, LayerPlan, StagingView};
+pub use layer::{KvswapLayerSpec, KvswapLayerStats, KvswapSwapIn, LayerPlan, StagingView};

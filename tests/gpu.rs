@@ -668,3 +668,126 @@ fn freed_range_is_refused_after_passing_once() {
     assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
     assert_eq!(gpu.stats(0).unwrap().stores, 2, "the refused call stored nothing");
 }
+
+/// `kvswap_swap_in_layers` on CUDA (layers side by side on forked streams)
+/// against one CPU `swap_in` per request: eager calls over random subsets
+/// of 21 layers in random order with the shared top-k copied in, then the
+/// same call captured in a graph and replayed with new top-k values, then a
+/// KVSWAP_SYNC=1 context (one layer after another). Index buffers (read
+/// back on the call's stream: the join must order them), counters and the
+/// staged bytes of the selected slots equal the CPU's at every step; a
+/// never-stored id is deferred on the same layer as the CPU's.
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn swap_in_layers_matches_cpu() {
+    use kvswap::KvswapSwapIn;
+    let mut rng = Rng::fresh("gpu swap layers");
+    let (layers, cap, chunk, slots, window) = (21usize, 2048u32, 256usize, 128u32, 16u32);
+    let specs: Vec<_> = (0..layers).map(|_| spec(cap, chunk as u32)).collect();
+    let dev = Device::open(0).unwrap();
+    let _g = dev.bind().unwrap();
+    let stream = OwnedStream::new().unwrap();
+    let s = stream.0;
+    let n_idx = (window + slots) as usize;
+    let idx: Vec<DeviceBuffer> = (0..layers).map(|_| DeviceBuffer::alloc(4 * n_idx, "idx").unwrap()).collect();
+    let topk = DeviceBuffer::alloc(4 * slots as usize, "topk").unwrap();
+    let read = |l: usize| {
+        let mut got = vec![0i32; n_idx];
+        unsafe { driver::copy_dtoh_async(got.as_mut_ptr() as *mut u8, idx[l].ptr, 4 * n_idx, s).unwrap() };
+        stream.sync().unwrap();
+        got
+    };
+    for sync in [false, true] {
+        let cpu = Context::new(config(BackendChoice::Cpu, slots, sync), &specs).unwrap();
+        let gpu = Context::new(config(BackendChoice::Cuda, slots, sync), &specs).unwrap();
+        // Every chunk stored but the last 8 of each layer.
+        let ids: Vec<i32> = (0..cap as i32 - 8).collect();
+        let mut rows = vec![0u8; ids.len() * chunk];
+        for l in 0..layers {
+            rng.fill(&mut rows);
+            cpu.store_rows(l, &ids, &rows).unwrap();
+            gpu.store_rows(l, &ids, &rows).unwrap();
+        }
+        let mut hot = 0u32;
+        let pick = |rng: &mut Rng, hot: u32| -> i32 {
+            match rng.below(200) {
+                0 if !sync => (cap - 1 - rng.below(8) as u32) as i32, // never stored (deferred)
+                1 => -1,
+                _ => ((hot + rng.below(3 * slots as u64) as u32) % (cap - 8)) as i32,
+            }
+        };
+        // One step: the CPU reference for `order` (layer numbers) and `sel`,
+        // then `run` makes the GPU call; compares everything after it.
+        let check = |step: usize, order: &[usize], sel: &[i32], rng: &mut Rng, run: &mut dyn FnMut(&[KvswapSwapIn])| {
+            let count = sel.len() as u32;
+            let mut host = vec![-9i32; window as usize];
+            host.extend(std::iter::repeat_n(-7, count as usize));
+            let mut expect = Vec::new();
+            for &l in order {
+                let mut e = host.clone();
+                e[window as usize..].copy_from_slice(sel);
+                cpu.swap_in(l, &mut e, window).unwrap();
+                expect.push(e);
+                unsafe { driver::copy_htod_async(idx[l].ptr, host.as_ptr() as *const u8, 4 * host.len(), s).unwrap() };
+            }
+            unsafe { driver::copy_htod_async(topk.ptr, sel.as_ptr() as *const u8, 4 * sel.len(), s).unwrap() };
+            stream.sync().unwrap();
+            let reqs: Vec<KvswapSwapIn> = order
+                .iter()
+                .map(|&l| KvswapSwapIn { layer: l as u32, window_len: window, count, reserved: 0, indices: idx[l].ptr as *mut i32 })
+                .collect();
+            run(&reqs);
+            for (&l, e) in order.iter().zip(&expect) {
+                let got = read(l);
+                assert_eq!(&got[..e.len()], &e[..], "sync {sync} step {step} layer {l}: physical ids");
+            }
+            if !sync {
+                let (a, b) = (cpu.sync(), gpu.sync_stream(s as u64));
+                assert_eq!(a.map_err(|e| e.message), b.map_err(|e| e.message), "sync {sync} step {step}: deferred errors");
+            }
+            for &l in order {
+                assert_eq!(cpu.stats(l).unwrap(), gpu.stats(l).unwrap(), "sync {sync} step {step} layer {l}: stats");
+            }
+            if step % 25 == 0 {
+                let l = order[rng.below(order.len() as u64) as usize];
+                for (slot, _) in cpu.residency(l).unwrap() {
+                    assert_eq!(cpu.slot_bytes(l, slot).unwrap(), gpu.slot_bytes(l, slot).unwrap(), "sync {sync} step {step} layer {l} slot {slot}");
+                }
+            }
+        };
+        // Eager calls: random subsets in random order, random counts.
+        for step in 0..common::scaled(200) {
+            hot = (hot + 5) % cap;
+            let mut order: Vec<usize> = (0..layers).collect();
+            for i in (1..layers).rev() {
+                order.swap(i, rng.below(i as u64 + 1) as usize);
+            }
+            order.truncate(1 + rng.below(layers as u64) as usize);
+            let count = rng.below(slots as u64 + 1) as usize;
+            let sel: Vec<i32> = (0..count).map(|_| pick(&mut rng, hot)).collect();
+            check(step, &order, &sel, &mut rng, &mut |reqs| unsafe { gpu.swap_in_layers_raw(reqs, topk.ptr, s as u64).unwrap() });
+        }
+        if sync {
+            continue; // KVSWAP_SYNC=1 cannot be captured
+        }
+        // Captured: all layers, full count, replayed with new top-k values.
+        let all: Vec<usize> = (0..layers).collect();
+        let reqs: Vec<KvswapSwapIn> = all
+            .iter()
+            .map(|&l| KvswapSwapIn { layer: l as u32, window_len: window, count: slots, reserved: 0, indices: idx[l].ptr as *mut i32 })
+            .collect();
+        let graph = Graph::capture(s, || unsafe { gpu.swap_in_layers_raw(&reqs, topk.ptr, s as u64) }).unwrap();
+        for step in 0..common::scaled(200) {
+            hot = (hot + 5) % cap;
+            let mut seen = std::collections::HashSet::new();
+            let mut sel = Vec::with_capacity(slots as usize);
+            while sel.len() < slots as usize {
+                let id = pick(&mut rng, hot);
+                if id < 0 || seen.insert(id) {
+                    sel.push(id);
+                }
+            }
+            check(1000 + step, &all, &sel, &mut rng, &mut |_| graph.launch(s).unwrap());
+        }
+    }
+}

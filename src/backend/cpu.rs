@@ -109,7 +109,12 @@ impl LayerOps for CpuLayer {
         Ok(())
     }
 
-    unsafe fn swap_in(&mut self, indices: u64, window_len: u32, count: u32, _stream: StreamHandle) -> Result<()> {
+    unsafe fn swap_in(&mut self, indices: u64, window_len: u32, count: u32, src_ids: u64, _stream: StreamHandle) -> Result<()> {
+        if src_ids != 0 {
+            // SAFETY: the caller guarantees `count` ids at src_ids and
+            // `window_len + count` at indices, not overlapping.
+            unsafe { std::ptr::copy_nonoverlapping(src_ids as *const i32, (indices as *mut i32).add(window_len as usize), count as usize) };
+        }
         // SAFETY: the caller guarantees `window_len + count` int32 values.
         let entries = unsafe {
             std::slice::from_raw_parts_mut((indices as *mut i32).add(window_len as usize), count as usize)
@@ -205,6 +210,6 @@ impl LayerOps for CpuLayer {
     fn swap_in_host(&mut self, indices: &mut [i32], window_len: u32) -> Result<()> {
         let count = (indices.len() - window_len as usize) as u32;
         // SAFETY: a live, exclusively borrowed slice of window_len + count ints.
-        unsafe { self.swap_in(indices.as_mut_ptr() as u64, window_len, count, 0) }
+        unsafe { self.swap_in(indices.as_mut_ptr() as u64, window_len, count, 0, 0) }
     }
 }

@@ -3,7 +3,7 @@
 
 use crate::config::{BackendChoice, Config};
 use crate::error::{Error, Result};
-use crate::layer::{KvswapLayerStats, LayerPlan, StagingView};
+use crate::layer::{KvswapLayerStats, KvswapSwapIn, LayerPlan, StagingView};
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -41,11 +41,21 @@ pub trait LayerOps: Send {
     unsafe fn store(&mut self, ids: &[u32], src: u64, src_stride: usize, stream: StreamHandle) -> Result<()>;
 
     /// One `swap_in_selected` call over `count` entries at `indices + window_len`.
+    /// `src_ids` (0: none): `count` ids copied into those entries first,
+    /// after the layer's earlier work (`kvswap_swap_in_layers`' shared top-k).
     ///
     /// # Safety
     /// `indices` must point to at least `window_len + count` int32 values in
-    /// the backend's memory space, not accessed by anyone else during the call.
-    unsafe fn swap_in(&mut self, indices: u64, window_len: u32, count: u32, stream: StreamHandle) -> Result<()>;
+    /// the backend's memory space, not accessed by anyone else during the call;
+    /// `src_ids`, when not 0, to `count` int32 values not overlapping them.
+    unsafe fn swap_in(&mut self, indices: u64, window_len: u32, count: u32, src_ids: u64, stream: StreamHandle) -> Result<()>;
+
+    /// What `swap_in` checks before it changes anything (the layer is
+    /// usable, the stream and pointers are the device's), so that a call
+    /// over several layers refuses them all before any runs.
+    fn check_swap_in(&self, _indices: u64, _window_len: u32, _count: u32, _src_ids: u64, _stream: StreamHandle) -> Result<()> {
+        Ok(())
+    }
 
     /// Counters (synchronises with the device). Returns a deferred error of an
     /// earlier asynchronous call first, if any.
@@ -87,6 +97,21 @@ pub trait Backend: Send + Sync {
     /// Bytes of host tier this backend would pin for `plans`.
     fn host_bytes(&self, plans: &[LayerPlan]) -> u64 {
         crate::layer::total_host_bytes(plans)
+    }
+    /// The swap-ins of `kvswap_swap_in_layers` (checked by the context:
+    /// distinct layers, entries that overlap neither each other nor
+    /// `src_ids`; each layer's `check_swap_in` passed). This default runs
+    /// them one after another on `stream`, stopping at the first error
+    /// (each request's error names it: `KvswapSwapIn::error`).
+    ///
+    /// # Safety
+    /// As `LayerOps::swap_in`, for every request.
+    unsafe fn swap_in_layers(&self, layers: &mut [(&mut Box<dyn LayerOps>, KvswapSwapIn)], src_ids: u64, stream: StreamHandle) -> Result<()> {
+        for (i, (l, r)) in layers.iter_mut().enumerate() {
+            // SAFETY: forwarded caller contract.
+            unsafe { l.swap_in(r.indices as u64, r.window_len, r.count, src_ids, stream) }.map_err(|e| r.error(i, e))?;
+        }
+        Ok(())
     }
 }
 

@@ -12,7 +12,7 @@ use crate::backend::BackendKind;
 use crate::config::{Config, KvswapConfig, KVSWAP_BACKEND_CPU, KVSWAP_BACKEND_CUDA};
 use crate::context::Context;
 use crate::error::{Error, KvswapStatus, Result};
-use crate::layer::{KvswapLayerSpec, KvswapLayerStats};
+use crate::layer::{KvswapLayerSpec, KvswapLayerStats, KvswapSwapIn};
 use crate::logging::KvswapLogCallback;
 use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CString};
@@ -340,6 +340,67 @@ pub extern "C" fn kvswap_swap_in_selected(
         // SAFETY: the engine promises window_len + count ints, not used
         // concurrently.
         unsafe { c.swap_in_raw(layer as usize, indices as u64, window_len, count, stream as u64) }
+    })
+}
+
+/// The swap-ins of several layers in one call: for each of the `n`
+/// requests (host memory), what `kvswap_swap_in_selected(ctx,
+/// requests[i].layer, requests[i].indices, requests[i].window_len,
+/// requests[i].count, stream)` does, with the same results, counters and
+/// errors for that layer. For engines whose layers share one global top-k
+/// (as the original engine's do): with `topk` not NULL, `topk[0 ..
+/// requests[i].count)` (device memory on CUDA) is first copied into each
+/// request's selected entries, so the scorer's output needs no copy per
+/// layer; with `topk` NULL the entries already hold the selection.
+///
+/// On the CUDA backend with `sync = 0` the layers run side by side, on up
+/// to 32 streams of the context forked from `stream` and joined back to it:
+/// `stream`'s later work (and a graph's later nodes) waits for every layer.
+/// The call may be captured in a CUDA graph; its streams are made by the
+/// first call outside a capture (a call captured before any has been made
+/// runs its layers one after another on `stream`). With `sync = 1`, and on
+/// the CPU backend, the layers run one after another in the requests' order;
+/// with `sync = 1` the call stops at the first layer whose swap-in fails
+/// and returns its error (naming the request and layer): the layers before
+/// it are done, it and the ones after it are unchanged, except that `topk`
+/// was already copied into its entries.
+///
+/// Every argument of every request is checked before any layer changes:
+/// `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`, `requests` or a request's
+/// `indices`); `KVSWAP_STATUS_INVALID_ARGUMENT` (`n` 0, a layer named twice,
+/// selected entries that overlap another request's or `topk`, a nonzero
+/// `reserved`, a misaligned pointer, on CUDA the NULL stream or host memory);
+/// `KVSWAP_STATUS_OUT_OF_RANGE` (as `kvswap_swap_in_selected`, per request;
+/// on CUDA `topk` past the end of its allocation);
+/// `KVSWAP_STATUS_WRONG_DEVICE`; `KVSWAP_STATUS_DEVICE_ERROR`;
+/// `KVSWAP_STATUS_PANIC`. Errors in the entries themselves (ids never
+/// stored or out of range) are found per layer, as in
+/// `kvswap_swap_in_selected`.
+#[no_mangle]
+pub extern "C" fn kvswap_swap_in_layers(
+    ctx: *mut KvswapContext,
+    requests: *const KvswapSwapIn,
+    n: usize,
+    topk: *const i32,
+    stream: KvswapStream,
+) -> KvswapStatus {
+    boundary("kvswap_swap_in_layers", || {
+        let c = ctx_ref(ctx)?;
+        check_aligned(requests, "requests")?;
+        if !topk.is_null() {
+            check_aligned(topk, "topk")?;
+        }
+        if n == 0 {
+            return Err(Error::invalid("n is 0"));
+        }
+        if n > isize::MAX as usize / std::mem::size_of::<KvswapSwapIn>() {
+            return Err(Error::out_of_range(format!("n={n} requests do not fit the address space")));
+        }
+        // SAFETY: the engine promises `n` requests in host memory.
+        let requests = unsafe { std::slice::from_raw_parts(requests, n) };
+        // SAFETY: the engine promises each request's index buffer and topk's
+        // ids, not used concurrently.
+        unsafe { c.swap_in_layers_raw(requests, topk as u64, stream as u64) }
     })
 }
 

@@ -11,12 +11,12 @@ pub mod scorer;
 use super::{Backend, BackendKind, LayerOps, StreamHandle};
 use crate::config::Config;
 use crate::error::{Error, KvswapStatus, Result};
-use crate::layer::{dedup_last, KvswapLayerStats, LayerPlan, StagingView};
+use crate::layer::{dedup_last, KvswapLayerStats, KvswapSwapIn, LayerPlan, StagingView};
 use crate::residency::EntryError;
 use driver::{kernel_params, CUstream, Device, DeviceBuffer, Event, Kernel, Module, OwnedStream, PinnedBuffer};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Test hook: the next `n` launch attempts of the swap-in gather fail as if
 /// the driver had refused them (tests/gpu.rs; every attempt takes one).
@@ -87,7 +87,43 @@ struct Shared {
 }
 
 pub struct CudaBackend {
+    /// Streams and events of `kvswap_swap_in_layers` (before `shared`: they
+    /// go before the device's context is released).
+    side: Mutex<SideStreams>,
     shared: Arc<Shared>,
+}
+
+/// At most this many streams run one `kvswap_swap_in_layers` call's layers
+/// side by side (layer i of the call on stream i % SIDE_STREAMS_MAX).
+const SIDE_STREAMS_MAX: usize = 32;
+
+/// Side streams for the layers of a `kvswap_swap_in_layers` call: they fork
+/// from the engine's stream (`fork` recorded there, each side stream waits
+/// for it) and join it again (each records its `joins` event, the engine's
+/// stream waits for all): graph edges when the engine's stream is captured.
+/// Locked for a whole call: a side stream that joined a capture must not
+/// take another thread's work until it has joined back.
+#[derive(Default)]
+struct SideStreams {
+    streams: Vec<OwnedStream>,
+    joins: Vec<Event>,
+    fork: Option<Event>,
+}
+
+impl SideStreams {
+    /// Grows the pool to `n` streams (device bound; not while capturing:
+    /// creating them there is left out of the capture's rules).
+    fn grow(&mut self, n: usize) -> Result<()> {
+        if self.fork.is_none() {
+            self.fork = Some(Event::new(false)?);
+        }
+        while self.streams.len() < n {
+            let e = Event::new(false)?;
+            self.streams.push(OwnedStream::new()?);
+            self.joins.push(e);
+        }
+        Ok(())
+    }
 }
 
 impl CudaBackend {
@@ -112,7 +148,10 @@ impl CudaBackend {
         let internal = OwnedStream::new()?;
         let pdl = device.cc.0 >= 9;
         drop(_g);
-        Ok(CudaBackend { shared: Arc::new(Shared { kernels, swap_smem_max, pdl: AtomicBool::new(pdl), _module: module, internal, device }) })
+        Ok(CudaBackend {
+            side: Mutex::new(SideStreams::default()),
+            shared: Arc::new(Shared { kernels, swap_smem_max, pdl: AtomicBool::new(pdl), _module: module, internal, device }),
+        })
     }
 
     pub fn device(&self) -> &Device {
@@ -167,6 +206,69 @@ impl Backend for CudaBackend {
         built?;
         synced?;
         Ok(layers)
+    }
+
+    /// The layers side by side: request i on side stream i % P (P = the
+    /// requests, at most SIDE_STREAMS_MAX, fewer while capturing if fewer
+    /// were made before), forked from `stream` and joined back to it, so
+    /// `stream`'s later work waits for every layer's. Each layer's own
+    /// ordering (`CudaLayer::order`) still applies on its side stream.
+    unsafe fn swap_in_layers(&self, layers: &mut [(&mut Box<dyn LayerOps>, KvswapSwapIn)], src_ids: u64, stream: StreamHandle) -> Result<()> {
+        let dev = &self.shared.device;
+        let _g = dev.bind()?;
+        let s = stream as CUstream;
+        check_stream_device(dev, s)?;
+        let capturing = driver::capture_id(s)?.is_some();
+        let mut side = self.side.lock().unwrap_or_else(|p| p.into_inner());
+        if !capturing {
+            side.grow(layers.len().min(SIDE_STREAMS_MAX))?;
+        }
+        let p = side.streams.len().min(layers.len());
+        let Some(fork) = side.fork.as_ref().filter(|_| p >= 2) else {
+            // One request, or a capture before any eager call made the
+            // streams: one after another on `stream`.
+            drop(side);
+            return layers.iter_mut().enumerate().try_for_each(|(i, (l, r))| {
+                // SAFETY: forwarded caller contract.
+                unsafe { l.swap_in(r.indices as u64, r.window_len, r.count, src_ids, stream) }.map_err(|e| r.error(i, e))
+            });
+        };
+        let mut result = fork.record(s);
+        let mut forked = 0;
+        if result.is_ok() {
+            for st in &side.streams[..p] {
+                if let Err(e) = driver::stream_wait_event(st.0, fork, false) {
+                    result = Err(e);
+                    break;
+                }
+                forked += 1;
+            }
+        }
+        if result.is_ok() {
+            for (i, (l, r)) in layers.iter_mut().enumerate() {
+                // SAFETY: forwarded caller contract; the side stream is
+                // this device's and ordered after `stream`'s earlier work.
+                if let Err(e) = unsafe { l.swap_in(r.indices as u64, r.window_len, r.count, src_ids, side.streams[i % p].0 as StreamHandle) } {
+                    result = Err(r.error(i, e));
+                    break;
+                }
+            }
+        }
+        // Every forked stream joins back, also after an error: `stream` must
+        // wait for what was launched, and a side stream that joined a
+        // capture must rejoin it before the capture ends. An eager join that
+        // cannot be made is replaced by a host wait for that side stream.
+        for (st, join) in side.streams[..forked].iter().zip(&side.joins) {
+            if let Err(e) = join.record(st.0).and_then(|()| driver::stream_wait_event(s, join, false)) {
+                if !capturing {
+                    let _ = st.sync();
+                }
+                if result.is_ok() {
+                    result = Err(e);
+                }
+            }
+        }
+        result
     }
 
     fn sync_stream(&self, stream: StreamHandle) -> Result<()> {
@@ -655,24 +757,29 @@ impl LayerOps for CudaLayer {
         self.after_launch(s, capture.is_some(), launched)
     }
 
-    unsafe fn swap_in(&mut self, indices: u64, window_len: u32, count: u32, stream: StreamHandle) -> Result<()> {
-        self.check_usable()?;
+    unsafe fn swap_in(&mut self, indices: u64, window_len: u32, count: u32, src_ids: u64, stream: StreamHandle) -> Result<()> {
         let _g = self.sh.device.bind()?;
-        let (s, capture) = self.stream(stream)?;
-        if self.strict && capture.is_some() {
-            return Err(Error::invalid(
-                "KVSWAP_SYNC=1 waits for the device and cannot be captured in a CUDA graph; use KVSWAP_SYNC=0",
-            ));
-        }
-        self.check_range(indices, 4 * (window_len as u64 + count as u64), "indices")?;
+        let (s, capture) = self.checked_swap_in(indices, window_len, count, src_ids, stream)?;
         self.order(s, stream, capture)?;
-        let launched = self.launch_swap(indices, window_len, count, self.strict, s, capture.is_some());
+        let launched = if src_ids != 0 && count > 0 {
+            // SAFETY: both ranges checked above (device memory of this
+            // device); the caller guarantees they do not overlap.
+            unsafe { driver::copy_dtod_async(indices + 4 * window_len as u64, src_ids, 4 * count as usize, s) }
+        } else {
+            Ok(())
+        };
+        let launched = launched.and_then(|()| self.launch_swap(indices, window_len, count, self.strict, s, capture.is_some()));
         self.after_launch(s, capture.is_some(), launched)?;
         if self.strict {
             self.wait()?;
             self.take_error(s)?;
         }
         Ok(())
+    }
+
+    fn check_swap_in(&self, indices: u64, window_len: u32, count: u32, src_ids: u64, stream: StreamHandle) -> Result<()> {
+        let _g = self.sh.device.bind()?;
+        self.checked_swap_in(indices, window_len, count, src_ids, stream).map(|_| ())
     }
 
     fn stats(&mut self) -> Result<KvswapLayerStats> {
@@ -771,6 +878,25 @@ impl LayerOps for CudaLayer {
 }
 
 impl CudaLayer {
+    /// The checks of `swap_in` (device bound): the layer is usable, the
+    /// stream is this device's (and not captured with KVSWAP_SYNC=1), the
+    /// index buffer and `src_ids` are device memory of their length.
+    /// Returns the stream and its capture id.
+    fn checked_swap_in(&self, indices: u64, window_len: u32, count: u32, src_ids: u64, stream: StreamHandle) -> Result<(CUstream, Option<u64>)> {
+        self.check_usable()?;
+        let (s, capture) = self.stream(stream)?;
+        if self.strict && capture.is_some() {
+            return Err(Error::invalid(
+                "KVSWAP_SYNC=1 waits for the device and cannot be captured in a CUDA graph; use KVSWAP_SYNC=0",
+            ));
+        }
+        self.check_range(indices, 4 * (window_len as u64 + count as u64), "indices")?;
+        if src_ids != 0 {
+            self.check_range(src_ids, 4 * count as u64, "topk")?;
+        }
+        Ok((s, capture))
+    }
+
     /// Refuses work on a layer whose slots no longer match their chunks.
     fn check_usable(&self) -> Result<()> {
         match &self.broken {
