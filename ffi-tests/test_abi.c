@@ -1426,6 +1426,19 @@ static void test_guards(void) {
 
 /* ---- asynchronous mode ---- */
 
+/* Requests i = 0 .. n-1 of kvswap_swap_in_layers: layer order[i], index
+ * buffer idx[i], the same window and count, reserved 0. */
+static void swap_requests(KvswapSwapIn *req, uint32_t n, const uint32_t *order, int32_t *const *idx, uint32_t window,
+                          uint32_t count) {
+    for (uint32_t i = 0; i < n; i++) {
+        memset(&req[i], 0, sizeof req[i]);
+        req[i].layer = order[i];
+        req[i].window_len = window;
+        req[i].count = count;
+        req[i].indices = idx[i];
+    }
+}
+
 /* kvswap_swap_in_layers: three layers in one call (not in layer order), the
  * shared top-k copied in, against one kvswap_swap_in_selected per layer on
  * a twin context (index buffers, counters, deferred errors); then refusals,
@@ -1463,13 +1476,7 @@ static void test_swap_in_layers(void) {
         int32_t host[N] = {WIN_SENTINEL(0), WIN_SENTINEL(1), -5, -5, -5, -5};
         for (uint32_t i = 0; i < NL; i++) dm_upload(dev_idx[i], host, sizeof host);
         dm_upload(dev_topk, topk, sizeof topk);
-        for (uint32_t i = 0; i < NL; i++) {
-            memset(&req[i], 0, sizeof req[i]);
-            req[i].layer = order[i];
-            req[i].window_len = WIN;
-            req[i].count = CNT;
-            req[i].indices = dev_idx[i];
-        }
+        swap_requests(req, NL, order, dev_idx, WIN, CNT);
         CHECK_OK(kvswap_swap_in_layers(multi, req, NL, dev_topk, cur_stream()));
         for (uint32_t i = 0; i < NL; i++) {
             int32_t expect[N] = {WIN_SENTINEL(0), WIN_SENTINEL(1), topk[0], topk[1], topk[2], topk[3]};
@@ -1491,13 +1498,7 @@ static void test_swap_in_layers(void) {
 
     /* Refusals: nothing changes, the message names the request. */
     Snapshot before = snapshot_at(__LINE__, multi, NL);
-    for (uint32_t i = 0; i < NL; i++) {
-        memset(&req[i], 0, sizeof req[i]);
-        req[i].layer = order[i];
-        req[i].window_len = WIN;
-        req[i].count = CNT;
-        req[i].indices = dev_idx[i];
-    }
+    swap_requests(req, NL, order, dev_idx, WIN, CNT);
     CHECK_ERR(kvswap_swap_in_layers(multi, NULL, NL, dev_topk, cur_stream()), KVSWAP_STATUS_NULL_POINTER, "requests");
     CHECK_ERR(kvswap_swap_in_layers(NULL, req, NL, dev_topk, cur_stream()), KVSWAP_STATUS_NULL_POINTER, "ctx");
     CHECK_ERR(kvswap_swap_in_layers(multi, req, 0, dev_topk, cur_stream()), KVSWAP_STATUS_INVALID_ARGUMENT, "n is 0");
@@ -1520,6 +1521,30 @@ static void test_swap_in_layers(void) {
     req[0].count = SLOTS + 1;
     CHECK_ERR(kvswap_swap_in_layers(multi, req, NL, NULL, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE,
               "requests[0] (layer 2): layer 2: count=5");
+    req[0].count = CNT;
+    req[2].indices = NULL;
+    CHECK_ERR(kvswap_swap_in_layers(multi, req, NL, dev_topk, cur_stream()), KVSWAP_STATUS_NULL_POINTER,
+              "requests[2] (layer 1): argument `indices` is NULL");
+    req[2].indices = (int32_t *)((uintptr_t)dev_idx[2] + 2);
+    CHECK_ERR(kvswap_swap_in_layers(multi, req, NL, dev_topk, cur_stream()), KVSWAP_STATUS_INVALID_ARGUMENT,
+              "requests[2] (layer 1): indices");
+    CHECK_MSG("aligned");
+    req[2].indices = dev_idx[2];
+    CHECK_ERR(kvswap_swap_in_layers(multi, req, NL, (const int32_t *)((uintptr_t)dev_topk + 2), cur_stream()),
+              KVSWAP_STATUS_INVALID_ARGUMENT, "topk");
+    KvswapSwapIn four[NL + 1];
+    memcpy(four, req, sizeof req);
+    four[NL] = req[0];
+    CHECK_ERR(kvswap_swap_in_layers(multi, four, NL + 1, dev_topk, cur_stream()), KVSWAP_STATUS_INVALID_ARGUMENT,
+              "n = 4 requests, but the context has 3 layers");
+    if (dm_is_cuda()) {
+        /* CUDA: the legacy stream, and a topk running past its allocation
+         * (the request's count is one more than it holds). */
+        CHECK_ERR(kvswap_swap_in_layers(multi, req, NL, dev_topk, NULL), KVSWAP_STATUS_INVALID_ARGUMENT, "legacy default stream");
+        CHECK_ERR(kvswap_swap_in_layers(multi, req, NL, dev_topk + 1, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE,
+                  "topk");
+        CHECK_MSG("past the end of its allocation");
+    }
     same_snapshot_at(__LINE__, multi, &before);
 
     for (uint32_t i = 0; i < NL; i++) dm_free(dev_idx[i]);

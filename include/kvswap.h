@@ -457,16 +457,20 @@ enum KvswapStatus kvswap_swap_in_selected(struct KvswapContext *ctx,
 // layer; with `topk` NULL the entries already hold the selection.
 //
 // On the CUDA backend with `sync = 0` the layers run side by side, on up
-// to 32 streams of the context forked from `stream` and joined back to it:
-// `stream`'s later work (and a graph's later nodes) waits for every layer.
-// The call may be captured in a CUDA graph; its streams are made by the
-// first call outside a capture (a call captured before any has been made
-// runs its layers one after another on `stream`). With `sync = 1`, and on
-// the CPU backend, the layers run one after another in the requests' order;
-// with `sync = 1` the call stops at the first layer whose swap-in fails
-// and returns its error (naming the request and layer): the layers before
-// it are done, it and the ones after it are unchanged, except that `topk`
-// was already copied into its entries.
+// to 32 streams the context makes at creation, forked from `stream` and
+// joined back to it: `stream`'s later work (and a graph's later nodes)
+// waits for every layer. The call may be captured in a CUDA graph. Streams
+// that joined a capture stay in it until that capture ends: until then, a
+// call of the same context outside that capture runs its layers one after
+// another on its own `stream` (same results). With `sync = 1`, and on the
+// CPU backend, the layers run one after another in the requests' order.
+// A request whose swap-in fails stops the call, which returns its error
+// (naming the request and layer): the requests before it were done (with
+// `sync = 0`: issued), the ones after it are unchanged, and its own layer is
+// unchanged except that `topk` may already be copied into its entries.
+// Errors in the entries themselves are found as `kvswap_swap_in_selected`
+// finds them: with `sync = 0` they are deferred per layer and every
+// request runs.
 //
 // Every argument of every request is checked before any layer changes:
 // `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`, `requests` or a request's
@@ -476,9 +480,8 @@ enum KvswapStatus kvswap_swap_in_selected(struct KvswapContext *ctx,
 // `KVSWAP_STATUS_OUT_OF_RANGE` (as `kvswap_swap_in_selected`, per request;
 // on CUDA `topk` past the end of its allocation);
 // `KVSWAP_STATUS_WRONG_DEVICE`; `KVSWAP_STATUS_DEVICE_ERROR`;
-// `KVSWAP_STATUS_PANIC`. Errors in the entries themselves (ids never
-// stored or out of range) are found per layer, as in
-// `kvswap_swap_in_selected`.
+// `KVSWAP_STATUS_PANIC`; `n` above the context's layer count is
+// `KVSWAP_STATUS_INVALID_ARGUMENT`.
 enum KvswapStatus kvswap_swap_in_layers(struct KvswapContext *ctx,
                                         const struct KvswapSwapIn *requests,
                                         size_t n,

@@ -238,6 +238,13 @@ impl Context {
         if requests.is_empty() {
             return Err(Error::invalid("n is 0: a kvswap_swap_in_layers call needs at least one request"));
         }
+        if requests.len() > self.plans.len() {
+            return Err(Error::invalid(format!(
+                "n = {} requests, but the context has {} layers: a call swaps each layer in at most once",
+                requests.len(),
+                self.plans.len()
+            )));
+        }
         let at = |i: usize, r: &KvswapSwapIn, e: Error| r.error(i, e);
         // The bytes each request's selected entries span, and topk's.
         let mut spans: Vec<(u64, u64, Option<usize>)> = Vec::with_capacity(requests.len() + 1);

@@ -974,7 +974,7 @@ fn decode_step(bench: &FmBench, hidden0: &DeviceBuffer, chunks: usize, k: usize)
         .collect();
     // SAFETY: index buffers of WINDOW + k ints, topk of k, none overlapping.
     let layers_call = || -> Result<()> { unsafe { ctx.swap_in_layers_raw(&requests, topk.ptr, s as u64) } };
-    layers_call()?; // outside a capture first: makes the context's streams
+    layers_call()?; // warm-up
     driver::stream_sync(s)?;
     let g_layers = Graph::capture(s, || (0..steps).try_for_each(|t| score(t).and_then(|_| layers_call())))?;
     let before = ctx.stats(0)?;

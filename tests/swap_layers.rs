@@ -72,6 +72,7 @@ fn matches_one_call_per_layer(sync: bool) {
         let mut expect = bufs.clone();
         let requests: Vec<KvswapSwapIn> = layers.iter().zip(bufs.iter_mut()).map(|(&l, b)| req(l, b, window, count)).collect();
         let topk_ptr = if shared { topk.as_ptr() as u64 } else { 0 };
+        let calls_before: Vec<u64> = layers.iter().map(|&l| multi.stats(l).unwrap().swap_in_calls).collect();
         // SAFETY: host buffers of window + count + 1 ints and count ids.
         let got = unsafe { multi.swap_in_layers_raw(&requests, topk_ptr, 0) };
         let mut want = Ok(());
@@ -92,11 +93,14 @@ fn matches_one_call_per_layer(sync: bool) {
             }
             _ => panic!("step {step}: {got:?} vs {want:?}"),
         }
-        if got.is_err() {
-            // The refused layer's entries already hold the copied top-k, its
-            // swap-in did not run: nothing of it or the later ones changed.
-            let at = layers.iter().position(|&l| multi.stats(l).unwrap().swap_in_calls != single.stats(l).unwrap().swap_in_calls);
-            assert!(at.is_none(), "step {step}: the same layers ran");
+        if let Err(g) = &got {
+            // The refused request (named by the error) and the ones after it
+            // did not run: their layers' call counts are as before the call.
+            let i: usize = g.message["requests[".len()..].split(']').next().unwrap().parse().unwrap();
+            for (j, &l) in layers.iter().enumerate() {
+                let ran = multi.stats(l).unwrap().swap_in_calls - calls_before[j];
+                assert_eq!(ran, (j < i) as u64, "step {step}: request {j} (layer {l}), refused request {i}");
+            }
         }
         assert_eq!(bufs, expect, "step {step}: index buffers");
         if !sync {

@@ -29,6 +29,7 @@ fn structs_match() {
     n += 1; same_layout!(kvswap::KvswapLayerSpec, c::KvswapLayerSpec, [
         compressed_cap, chunk_bytes, staging, staging_stride
     ]);
+    n += 1; same_layout!(kvswap::KvswapSwapIn, c::KvswapSwapIn, [layer, window_len, count, reserved, indices]);
     n += 1; same_layout!(kvswap::KvswapLayerStats, c::KvswapLayerStats, [
         hits, misses, evictions, stores, refreshes, h2d_bytes, d2h_bytes, swap_in_calls,
         compressed_cap, chunk_bytes, slots, resident, swap_enabled, reserved

@@ -94,15 +94,18 @@ pub struct CudaBackend {
 }
 
 /// At most this many streams run one `kvswap_swap_in_layers` call's layers
-/// side by side (layer i of the call on stream i % SIDE_STREAMS_MAX).
+/// side by side (request i of a call on side stream i % P, P = the number
+/// of requests up to this).
 const SIDE_STREAMS_MAX: usize = 32;
 
 /// Side streams for the layers of a `kvswap_swap_in_layers` call: they fork
 /// from the engine's stream (`fork` recorded there, each side stream waits
 /// for it) and join it again (each records its `joins` event, the engine's
 /// stream waits for all): graph edges when the engine's stream is captured.
-/// Locked for a whole call: a side stream that joined a capture must not
-/// take another thread's work until it has joined back.
+/// Locked for a whole call. A side stream that joined a capture stays in it
+/// until that capture ends (joining back only adds the dependency): until
+/// then a call outside that capture finds it capturing and runs its layers
+/// one after another on its own stream instead.
 #[derive(Default)]
 struct SideStreams {
     streams: Vec<OwnedStream>,
@@ -111,8 +114,7 @@ struct SideStreams {
 }
 
 impl SideStreams {
-    /// Grows the pool to `n` streams (device bound; not while capturing:
-    /// creating them there is left out of the capture's rules).
+    /// Grows the pool to `n` streams (device bound; at context creation).
     fn grow(&mut self, n: usize) -> Result<()> {
         if self.fork.is_none() {
             self.fork = Some(Event::new(false)?);
@@ -205,28 +207,35 @@ impl Backend for CudaBackend {
         let synced = sh.internal.sync();
         built?;
         synced?;
+        // The side streams of kvswap_swap_in_layers, one per layer up to
+        // SIDE_STREAMS_MAX, made now so a call captured first has them too.
+        self.side.lock().unwrap_or_else(|p| p.into_inner()).grow(plans.len().min(SIDE_STREAMS_MAX))?;
         Ok(layers)
     }
 
     /// The layers side by side: request i on side stream i % P (P = the
-    /// requests, at most SIDE_STREAMS_MAX, fewer while capturing if fewer
-    /// were made before), forked from `stream` and joined back to it, so
-    /// `stream`'s later work waits for every layer's. Each layer's own
-    /// ordering (`CudaLayer::order`) still applies on its side stream.
+    /// requests, at most SIDE_STREAMS_MAX), forked from `stream` and joined
+    /// back to it, so `stream`'s later work waits for every layer's. Each
+    /// layer's own ordering (`CudaLayer::order`) still applies on its side
+    /// stream. One after another on `stream` when a side stream is still in
+    /// another capture than this call's (or in one while this call is eager).
     unsafe fn swap_in_layers(&self, layers: &mut [(&mut Box<dyn LayerOps>, KvswapSwapIn)], src_ids: u64, stream: StreamHandle) -> Result<()> {
         let dev = &self.shared.device;
         let _g = dev.bind()?;
         let s = stream as CUstream;
         check_stream_device(dev, s)?;
-        let capturing = driver::capture_id(s)?.is_some();
-        let mut side = self.side.lock().unwrap_or_else(|p| p.into_inner());
-        if !capturing {
-            side.grow(layers.len().min(SIDE_STREAMS_MAX))?;
-        }
+        let capture = driver::capture_id(s)?;
+        let capturing = capture.is_some();
+        let side = self.side.lock().unwrap_or_else(|p| p.into_inner());
         let p = side.streams.len().min(layers.len());
-        let Some(fork) = side.fork.as_ref().filter(|_| p >= 2) else {
-            // One request, or a capture before any eager call made the
-            // streams: one after another on `stream`.
+        let mut free = true;
+        for st in &side.streams[..p] {
+            let c = driver::capture_id(st.0)?;
+            free &= c.is_none() || c == capture;
+        }
+        let Some(fork) = side.fork.as_ref().filter(|_| p >= 2 && free) else {
+            // One request, or side streams held by another capture: one
+            // after another on `stream`.
             drop(side);
             return layers.iter_mut().enumerate().try_for_each(|(i, (l, r))| {
                 // SAFETY: forwarded caller contract.
