@@ -113,6 +113,43 @@ struct SideStreams {
     fork: Option<Event>,
 }
 
+/// The side streams a call forked (the first `forked`), joined back to `s`
+/// by `join` or, if a layer's call panicked, by the drop: `s` must wait for
+/// what was launched, and a side stream that joined a capture must rejoin
+/// it before the capture ends. An eager join that cannot be made is
+/// replaced by a host wait for that side stream.
+struct Joins<'a> {
+    side: &'a SideStreams,
+    s: CUstream,
+    capturing: bool,
+    forked: usize,
+}
+
+impl Joins<'_> {
+    /// Joins every forked stream (also after an error); the first error.
+    fn join(&mut self) -> Result<()> {
+        let mut result = Ok(());
+        for (st, join) in self.side.streams[..self.forked].iter().zip(&self.side.joins) {
+            if let Err(e) = join.record(st.0).and_then(|()| driver::stream_wait_event(self.s, join, false)) {
+                if !self.capturing {
+                    let _ = st.sync();
+                }
+                if result.is_ok() {
+                    result = Err(e);
+                }
+            }
+        }
+        self.forked = 0;
+        result
+    }
+}
+
+impl Drop for Joins<'_> {
+    fn drop(&mut self) {
+        let _ = self.join();
+    }
+}
+
 impl SideStreams {
     /// Grows the pool to `n` streams (device bound; at context creation).
     fn grow(&mut self, n: usize) -> Result<()> {
@@ -243,14 +280,14 @@ impl Backend for CudaBackend {
             });
         };
         let mut result = fork.record(s);
-        let mut forked = 0;
+        let mut joins = Joins { side: &side, s, capturing, forked: 0 };
         if result.is_ok() {
             for st in &side.streams[..p] {
                 if let Err(e) = driver::stream_wait_event(st.0, fork, false) {
                     result = Err(e);
                     break;
                 }
-                forked += 1;
+                joins.forked += 1;
             }
         }
         if result.is_ok() {
@@ -263,21 +300,8 @@ impl Backend for CudaBackend {
                 }
             }
         }
-        // Every forked stream joins back, also after an error: `stream` must
-        // wait for what was launched, and a side stream that joined a
-        // capture must rejoin it before the capture ends. An eager join that
-        // cannot be made is replaced by a host wait for that side stream.
-        for (st, join) in side.streams[..forked].iter().zip(&side.joins) {
-            if let Err(e) = join.record(st.0).and_then(|()| driver::stream_wait_event(s, join, false)) {
-                if !capturing {
-                    let _ = st.sync();
-                }
-                if result.is_ok() {
-                    result = Err(e);
-                }
-            }
-        }
-        result
+        let joined = joins.join();
+        result.and(joined)
     }
 
     fn sync_stream(&self, stream: StreamHandle) -> Result<()> {
