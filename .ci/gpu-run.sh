@@ -105,6 +105,10 @@ for seqs in [b["seqs"] for b in first.get("batch", [])]:
     print(f"batch B={seqs:<3d} per sequence   baseline {cells('baseline', f)}   this {cells('this', f)}")
 step = lambda j: f"scorer {j['step']['scorer_us']:6.1f} step {j['step']['step_us']:6.1f}" if j.get("step") else "-"
 print(f"decode step              baseline {cells('baseline', step)}   this {cells('this', step)}")
+def layers_call(j):
+    w = (j.get("step") or {}).get("layers_call")  # absent before s29
+    return f"step {w['step_us']:6.1f}" if w else "-"
+print(f"  kvswap_swap_in_layers    baseline {cells('baseline', layers_call)}   this {cells('this', layers_call)}")
 for p in [w["streams"] for w in (first.get("step") or {}).get("streams", [])]:
     def f(j, p=p):
         w = next((w for w in (j.get("step") or {}).get("streams", []) if w["streams"] == p), None)

@@ -209,18 +209,23 @@ impl Context {
     /// `indices` must address `window_len + count` int32 values of the
     /// backend's memory space that nothing else touches during the call.
     pub unsafe fn swap_in_raw(&self, layer: usize, indices: u64, window_len: u32, count: u32, stream: StreamHandle) -> Result<()> {
+        self.check_swap_in_args(layer, indices, window_len, count)?;
+        // SAFETY: forwarded caller contract.
+        unsafe { self.layer(layer)?.swap_in(indices, window_len, count, 0, stream) }
+    }
+
+    /// The host-side checks of one swap-in: layer, NULL indices, count,
+    /// window bound.
+    fn check_swap_in_args(&self, layer: usize, indices: u64, window_len: u32, count: u32) -> Result<()> {
         let plan = self.plan(layer)?;
         if indices == 0 {
             return Err(Error::null("indices"));
         }
         self.check_count(layer, plan, count as usize)?;
         if window_len as u64 + plan.slots as u64 >= crate::layer::PHYS_ID_BOUND {
-            return Err(Error::out_of_range(format!(
-                "window_len={window_len} + slots must stay below 2^30"
-            )));
+            return Err(Error::out_of_range(format!("window_len={window_len} + slots must stay below 2^30")));
         }
-        // SAFETY: forwarded caller contract.
-        unsafe { self.layer(layer)?.swap_in(indices, window_len, count, 0, stream) }
+        Ok(())
     }
 
     /// `kvswap_swap_in_layers`: the swap-ins of `requests`, as one
@@ -250,21 +255,13 @@ impl Context {
         let mut spans: Vec<(u64, u64, Option<usize>)> = Vec::with_capacity(requests.len() + 1);
         let mut max_count = 0u32;
         for (i, r) in requests.iter().enumerate() {
-            let layer = r.layer as usize;
-            let plan = self.plan(layer).map_err(|e| at(i, r, e))?;
             let indices = r.indices as u64;
-            if indices == 0 {
-                return Err(at(i, r, Error::null("indices")));
-            }
+            self.check_swap_in_args(r.layer as usize, indices, r.window_len, r.count).map_err(|e| at(i, r, e))?;
             if indices % 4 != 0 {
                 return Err(at(i, r, Error::invalid(format!("indices ({indices:#x}) is not aligned to 4 bytes"))));
             }
             if r.reserved != 0 {
                 return Err(at(i, r, Error::invalid(format!("reserved is {}: it must be 0", r.reserved))));
-            }
-            self.check_count(layer, plan, r.count as usize).map_err(|e| at(i, r, e))?;
-            if r.window_len as u64 + plan.slots as u64 >= crate::layer::PHYS_ID_BOUND {
-                return Err(at(i, r, Error::out_of_range(format!("window_len={} + slots must stay below 2^30", r.window_len))));
             }
             let start = indices
                 .checked_add(4 * (r.window_len as u64 + r.count as u64))
@@ -315,9 +312,7 @@ impl Context {
         }
         if self.config.sync {
             // SAFETY: forwarded caller contract.
-            work.iter_mut()
-                .enumerate()
-                .try_for_each(|(i, (l, r))| unsafe { l.swap_in(r.indices as u64, r.window_len, r.count, topk, stream) }.map_err(|e| r.error(i, e)))
+            unsafe { crate::backend::swap_in_each(&mut work, topk, stream) }
         } else {
             // SAFETY: forwarded caller contract; checked as that method asks.
             unsafe { self.backend.swap_in_layers(&mut work, topk, stream) }

@@ -588,6 +588,12 @@ pub struct FmStepRow {
     pub layers_call: FmStepStreams,
 }
 
+impl FmStepStreams {
+    fn new(streams: usize, step_us: f64, scorer_us: f64) -> FmStepStreams {
+        FmStepStreams { streams, step_us, overhead_us: (step_us - scorer_us).max(0.0), ratio_to_scorer: step_us / scorer_us }
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct FmStepStreams {
     /// Streams the 21 layers are spread over (layer l on stream l % streams).
@@ -986,7 +992,7 @@ fn decode_step(bench: &FmBench, hidden0: &DeviceBuffer, chunks: usize, k: usize)
     let mut streams = Vec::with_capacity(g_spread.len());
     for (p, g) in &g_spread {
         let t = time_ms(s, bench.rounds, || g.launch(s))? * 1e3 / steps as f64;
-        streams.push(FmStepStreams { streams: *p, step_us: t, overhead_us: (t - t_scorer).max(0.0), ratio_to_scorer: t / t_scorer });
+        streams.push(FmStepStreams::new(*p, t, t_scorer));
     }
     let t_layers = time_ms(s, bench.rounds, || g_layers.launch(s))? * 1e3 / steps as f64;
     driver::stream_sync(s)?;
@@ -1004,12 +1010,7 @@ fn decode_step(bench: &FmBench, hidden0: &DeviceBuffer, chunks: usize, k: usize)
         overhead_us: (t_full - t_scorer).max(0.0),
         ratio_to_scorer: t_full / t_scorer,
         streams,
-        layers_call: FmStepStreams {
-            streams: layers,
-            step_us: t_layers,
-            overhead_us: (t_layers - t_scorer).max(0.0),
-            ratio_to_scorer: t_layers / t_scorer,
-        },
+        layers_call: FmStepStreams::new(layers, t_layers, t_scorer),
     })
 }
 

@@ -107,12 +107,22 @@ pub trait Backend: Send + Sync {
     /// # Safety
     /// As `LayerOps::swap_in`, for every request.
     unsafe fn swap_in_layers(&self, layers: &mut [(&mut Box<dyn LayerOps>, KvswapSwapIn)], src_ids: u64, stream: StreamHandle) -> Result<()> {
-        for (i, (l, r)) in layers.iter_mut().enumerate() {
-            // SAFETY: forwarded caller contract.
-            unsafe { l.swap_in(r.indices as u64, r.window_len, r.count, src_ids, stream) }.map_err(|e| r.error(i, e))?;
-        }
-        Ok(())
+        // SAFETY: forwarded caller contract.
+        unsafe { swap_in_each(layers, src_ids, stream) }
     }
+}
+
+/// The requests' swap-ins one after another on `stream`, stopping at the
+/// first error (named by its request: `KvswapSwapIn::error`).
+///
+/// # Safety
+/// As `LayerOps::swap_in`, for every request.
+pub(crate) unsafe fn swap_in_each(layers: &mut [(&mut Box<dyn LayerOps>, KvswapSwapIn)], src_ids: u64, stream: StreamHandle) -> Result<()> {
+    for (i, (l, r)) in layers.iter_mut().enumerate() {
+        // SAFETY: forwarded caller contract.
+        unsafe { l.swap_in(r.indices as u64, r.window_len, r.count, src_ids, stream) }.map_err(|e| r.error(i, e))?;
+    }
+    Ok(())
 }
 
 /// Picks the backend for `cfg`: `auto` prefers CUDA and falls back to the

@@ -363,8 +363,10 @@ pub extern "C" fn kvswap_swap_in_selected(
 /// CPU backend, the layers run one after another in the requests' order.
 /// A request whose swap-in fails stops the call, which returns its error
 /// (naming the request and layer): the requests before it were done (with
-/// `sync = 0`: issued), the ones after it are unchanged, and its own layer is
-/// unchanged except that `topk` may already be copied into its entries.
+/// `sync = 0`: issued), the ones after it are unchanged, and its own layer
+/// is left as `kvswap_swap_in_selected` leaves it on that error (a copy
+/// kernel that cannot be launched makes it unusable, as there), with
+/// `topk` possibly already copied into its entries.
 /// Errors in the entries themselves are found as `kvswap_swap_in_selected`
 /// finds them: with `sync = 0` they are deferred per layer and every
 /// request runs.
@@ -390,16 +392,19 @@ pub extern "C" fn kvswap_swap_in_layers(
     boundary("kvswap_swap_in_layers", || {
         let c = ctx_ref(ctx)?;
         check_aligned(requests, "requests")?;
-        if !topk.is_null() {
-            check_aligned(topk, "topk")?;
-        }
         if n == 0 {
             return Err(Error::invalid("n is 0"));
         }
-        if n > isize::MAX as usize / std::mem::size_of::<KvswapSwapIn>() {
-            return Err(Error::out_of_range(format!("n={n} requests do not fit the address space")));
+        // Before the slice is made: it must not span more than the engine's
+        // array can hold, and a valid call names each layer at most once.
+        if n > c.n_layers() {
+            return Err(Error::invalid(format!(
+                "n = {n} requests, but the context has {} layers: a call swaps each layer in at most once",
+                c.n_layers()
+            )));
         }
-        // SAFETY: the engine promises `n` requests in host memory.
+        // SAFETY: the engine promises `n` requests in host memory (n is at
+        // most the layer count, so the slice's size fits isize).
         let requests = unsafe { std::slice::from_raw_parts(requests, n) };
         // SAFETY: the engine promises each request's index buffer and topk's
         // ids, not used concurrently.

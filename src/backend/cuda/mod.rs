@@ -22,9 +22,23 @@ use std::sync::{Arc, Mutex};
 /// the driver had refused them (tests/gpu.rs; every attempt takes one).
 #[doc(hidden)]
 pub fn fail_gather_launches(n: u32) {
+    fail_gather_launches_after(0, n);
+}
+/// Test hook: as `fail_gather_launches`, after `skip` attempts that go
+/// through (a failure midway through a call over several layers).
+#[doc(hidden)]
+pub fn fail_gather_launches_after(skip: u32, n: u32) {
+    GATHER_SKIPS.store(skip, Ordering::Relaxed);
     GATHER_FAULTS.store(n, Ordering::Relaxed);
 }
+static GATHER_SKIPS: AtomicU32 = AtomicU32::new(0);
 static GATHER_FAULTS: AtomicU32 = AtomicU32::new(0);
+
+/// Whether the test hooks refuse this gather launch attempt.
+fn gather_fault_injected() -> bool {
+    let take = |a: &AtomicU32| a.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok();
+    !take(&GATHER_SKIPS) && take(&GATHER_FAULTS)
+}
 
 /// Ids per store launch (`KV_STORE_MAX` in kernels/swap.cu).
 const STORE_MAX: usize = 256;
@@ -274,10 +288,8 @@ impl Backend for CudaBackend {
             // One request, or side streams held by another capture: one
             // after another on `stream`.
             drop(side);
-            return layers.iter_mut().enumerate().try_for_each(|(i, (l, r))| {
-                // SAFETY: forwarded caller contract.
-                unsafe { l.swap_in(r.indices as u64, r.window_len, r.count, src_ids, stream) }.map_err(|e| r.error(i, e))
-            });
+            // SAFETY: forwarded caller contract.
+            return unsafe { super::swap_in_each(layers, src_ids, stream) };
         };
         let mut result = fork.record(s);
         let mut joins = Joins { side: &side, s, capturing, forked: 0 };
@@ -715,7 +727,7 @@ impl CudaLayer {
             // griddepcontrol.wait; plain: after it by stream order). A test
             // hook can refuse attempts.
             let mut attempt = |dependent: bool| -> Result<()> {
-                if GATHER_FAULTS.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok() {
+                if gather_fault_injected() {
                     return Err(Error::device("kvswap_gather launch refused (injected by a test)"));
                 }
                 // SAFETY: parameters match kvswap_gather(LayerDev, u32).
