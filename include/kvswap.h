@@ -466,8 +466,10 @@ enum KvswapStatus kvswap_swap_in_selected(struct KvswapContext *ctx,
 // CPU backend, the layers run one after another in the requests' order.
 // A request whose swap-in fails stops the call, which returns its error
 // (naming the request and layer): the requests before it were done (with
-// `sync = 0`: issued), the ones after it are unchanged, and its own layer is
-// unchanged except that `topk` may already be copied into its entries.
+// `sync = 0`: issued), the ones after it are unchanged, and its own layer
+// is left as `kvswap_swap_in_selected` leaves it on that error (a copy
+// kernel that cannot be launched makes it unusable, as there), with
+// `topk` possibly already copied into its entries.
 // Errors in the entries themselves are found as `kvswap_swap_in_selected`
 // finds them: with `sync = 0` they are deferred per layer and every
 // request runs.
