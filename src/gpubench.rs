@@ -586,6 +586,11 @@ pub struct FmStepRow {
     /// The step through one `kvswap_swap_in_layers` call (top-k copies
     /// included; the layers on the context's streams, one per layer).
     pub layers_call: FmStepStreams,
+    /// Host time to issue the layers' copies and swap-ins eagerly: one copy
+    /// and one `swap_in_selected` call per layer, and one
+    /// `kvswap_swap_in_layers` call (us, median).
+    pub host_per_layer_us: f64,
+    pub host_layers_call_us: f64,
 }
 
 impl FmStepStreams {
@@ -997,6 +1002,22 @@ fn decode_step(bench: &FmBench, hidden0: &DeviceBuffer, chunks: usize, k: usize)
     let t_layers = time_ms(s, bench.rounds, || g_layers.launch(s))? * 1e3 / steps as f64;
     driver::stream_sync(s)?;
     ctx.sync_stream(s as u64)?;
+    // Host time to issue the 21 layers' copies and swap-ins eagerly (no
+    // graph, as an engine without graphs issues them): median over steps,
+    // the device drained between steps so launches never wait for queue room.
+    let host_us = |issue: &dyn Fn() -> Result<()>| -> Result<f64> {
+        let mut v = Vec::with_capacity(bench.rounds.max(20));
+        for _ in 0..bench.rounds.max(20) {
+            let t0 = std::time::Instant::now();
+            issue()?;
+            v.push(t0.elapsed().as_secs_f64() * 1e6);
+            driver::stream_sync(s)?;
+            ctx.sync_stream(s as u64)?;
+        }
+        Ok(median(v))
+    };
+    let host_per_layer_us = host_us(&|| copies().and_then(|_| swaps()))?;
+    let host_layers_call_us = host_us(&layers_call)?;
     let (hh, mm) = (after.hits - before.hits, after.misses - before.misses);
     let _ = d;
     Ok(FmStepRow {
@@ -1011,6 +1032,8 @@ fn decode_step(bench: &FmBench, hidden0: &DeviceBuffer, chunks: usize, k: usize)
         ratio_to_scorer: t_full / t_scorer,
         streams,
         layers_call: FmStepStreams::new(layers, t_layers, t_scorer),
+        host_per_layer_us,
+        host_layers_call_us,
     })
 }
 
@@ -1061,6 +1084,11 @@ pub fn render_fm(r: &FmReport) -> String {
         s += &format!(
             "  one kvswap_swap_in_layers call (top-k copies included, layers on the context's streams): whole step {:.1} us ({:.2}x the scorer alone), {:.1} us over the scorer\n",
             w.step_us, w.ratio_to_scorer, w.overhead_us
+        );
+        s += &format!(
+            "  host time to issue them eagerly (no graph): {:.1} us as one copy and one kvswap_swap_in_selected per layer, \
+             {:.1} us as one kvswap_swap_in_layers call\n",
+            t.host_per_layer_us, t.host_layers_call_us
         );
         for w in &t.streams {
             s += &format!(
