@@ -144,11 +144,10 @@ __device__ void swap_in_identity(const LayerDev& L, i32* e, u32 window, u32 coun
 // a swapping layer, 0 for a fully resident one), so each phase costs shared-
 // memory latency, not L2 latency. `strict`: on any bad entry, record the
 // error and change nothing; otherwise bad entries become -1.
-extern "C" __global__ void __launch_bounds__(1024)
-kvswap_swap_in(LayerDev L, i32* indices, u32 window, u32 count, u32 strict) {
+// The body of kvswap_swap_in and of each block of kvswap_swap_in_multi.
+__device__ __forceinline__ void swap_in_block(const LayerDev& L, i32* indices, u32 window, u32 count, u32 strict) {
     extern __shared__ u32 smem[];
     __shared__ u32 s_err_pos;
-    allow_dependents();
     i32* e = indices + window;
     const u32 tid = threadIdx.x, nt = blockDim.x;
     const bool swap = !L.identity;
@@ -273,6 +272,47 @@ kvswap_swap_in(LayerDev L, i32* indices, u32 window, u32 count, u32 strict) {
     }
 }
 
+extern "C" __global__ void __launch_bounds__(1024)
+kvswap_swap_in(LayerDev L, i32* indices, u32 window, u32 count, u32 strict) {
+    allow_dependents();
+    swap_in_block(L, indices, window, count, strict);
+}
+
+// The swap-ins of several layers in one launch (kvswap_swap_in_layers): one
+// block per request, each what kvswap_swap_in does for its layer (never
+// strict), after copying the shared top-k `src` (when not NULL) into the
+// request's entries. The layers' LayerDev are read from a table on the
+// device (written when the context is made); dynamic shared memory and the
+// block size are the largest any request needs (the block's result does not
+// depend on its size).
+#define KV_MULTI_MAX 64u
+struct MultiReq {
+    i32* indices;
+    u32 layer;   // index into the LayerDev table
+    u32 window;
+    u32 count;
+    u32 vec;     // the gather's 16-byte copies for this layer
+};
+struct MultiReqs {
+    const i32* src;
+    u32 n;
+    u32 pad;
+    MultiReq r[KV_MULTI_MAX];
+};
+
+extern "C" __global__ void __launch_bounds__(1024)
+kvswap_swap_in_multi(const LayerDev* table, MultiReqs q) {
+    allow_dependents();
+    const MultiReq r = q.r[blockIdx.x];
+    const LayerDev L = table[r.layer];
+    if (q.src) {
+        i32* e = r.indices + r.window;
+        for (u32 i = threadIdx.x; i < r.count; i += blockDim.x) e[i] = q.src[i];
+        __syncthreads();  // the block reads its entries back below
+    }
+    swap_in_block(L, r.indices, r.window, r.count, 0u);
+}
+
 // Copies `bytes` bytes from src to dst with one warp; 16-byte accesses when
 // `vec` (both addresses and the size 16-byte aligned), 4 loads in flight.
 __device__ __forceinline__ void warp_copy(u8* dst, const u8* src, u64 bytes, bool vec) {
@@ -297,8 +337,7 @@ __device__ __forceinline__ void warp_copy(u8* dst, const u8* src, u64 bytes, boo
 
 // One launch gathers every miss of the last kvswap_swap_in from the mapped
 // host tier into its slot. Each warp copies KV_PIECE-byte pieces.
-extern "C" __global__ void kvswap_gather(LayerDev L, u32 vec) {
-    wait_prerequisites();  // launched early (programmatic dependent launch)
+__device__ __forceinline__ void gather_block(const LayerDev& L, u32 vec) {
     const u32 n = *L.n_miss;
     if (n == KV_NONE) return;  // the call was refused
     const u64 pieces = (L.chunk_bytes + KV_PIECE - 1) / KV_PIECE;
@@ -311,6 +350,19 @@ extern "C" __global__ void kvswap_gather(LayerDev L, u32 vec) {
         const u64 len = min((u64)KV_PIECE, L.chunk_bytes - off);
         warp_copy(L.staging + s * L.stride + off, L.host_tier + id * L.chunk_bytes + off, len, vec != 0);
     }
+}
+
+extern "C" __global__ void kvswap_gather(LayerDev L, u32 vec) {
+    wait_prerequisites();  // launched early (programmatic dependent launch)
+    gather_block(L, vec);
+}
+
+// The gather of a kvswap_swap_in_multi launch: request blockIdx.y's misses,
+// over the blocks of row blockIdx.y.
+extern "C" __global__ void kvswap_gather_multi(const LayerDev* table, MultiReqs q) {
+    wait_prerequisites();  // launched early (programmatic dependent launch)
+    const MultiReq r = q.r[blockIdx.y];
+    gather_block(table[r.layer], r.vec);
 }
 
 #define KV_STORE_MAX 256u

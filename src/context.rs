@@ -232,8 +232,8 @@ impl Context {
     /// `swap_in_raw` call each, after copying `topk` (0: none; `count` ids
     /// for each request) into the request's selected entries. Every argument
     /// is checked for every request before any layer changes. On CUDA with
-    /// `KVSWAP_SYNC=0` the layers run side by side on streams forked from
-    /// `stream`; otherwise one after another, in the requests' order.
+    /// `KVSWAP_SYNC=0` the layers share one launch pair (up to 64 of them);
+    /// otherwise one after another, in the requests' order.
     ///
     /// # Safety
     /// Each request's `indices` must address `window_len + count` int32
@@ -290,8 +290,8 @@ impl Context {
                 spans.push((topk, end, None));
             }
         }
-        // Entries written side by side must not overlap, nor the topk they
-        // are copied from.
+        // Entries written by concurrent blocks must not overlap, nor the
+        // topk they are copied from.
         spans.sort_unstable();
         if let Some(w) = spans.windows(2).find(|w| w[1].0 < w[0].1) {
             let name = |x: Option<usize>| x.map_or("topk".to_string(), |i| format!("requests[{i}]'s selected entries"));

@@ -584,7 +584,7 @@ pub struct FmStepRow {
     /// depends only on the top-k, so an engine may issue them side by side).
     pub streams: Vec<FmStepStreams>,
     /// The step through one `kvswap_swap_in_layers` call (top-k copies
-    /// included; the layers on the context's streams, one per layer).
+    /// included; on CUDA one launch pair for the 21 layers).
     pub layers_call: FmStepStreams,
     /// Host time to issue the layers' copies and swap-ins eagerly: one copy
     /// and one `swap_in_selected` call per layer, and one
@@ -977,7 +977,7 @@ fn decode_step(bench: &FmBench, hidden0: &DeviceBuffer, chunks: usize, k: usize)
         .map(|p| Graph::capture(s, || (0..steps).try_for_each(|t| spread_step(p, t))).map(|g| (p, g)))
         .collect::<Result<_>>()?;
     // The same through kvswap_swap_in_layers: one call copies the top-k into
-    // every layer's entries and runs the layers on the context's streams.
+    // every layer's entries and swaps all layers in with one launch pair.
     let requests: Vec<crate::KvswapSwapIn> = idx
         .iter()
         .enumerate()
@@ -1082,7 +1082,7 @@ pub fn render_fm(r: &FmReport) -> String {
         );
         let w = &t.layers_call;
         s += &format!(
-            "  one kvswap_swap_in_layers call (top-k copies included, layers on the context's streams): whole step {:.1} us ({:.2}x the scorer alone), {:.1} us over the scorer\n",
+            "  one kvswap_swap_in_layers call (top-k copies included, one launch pair for all layers): whole step {:.1} us ({:.2}x the scorer alone), {:.1} us over the scorer\n",
             w.step_us, w.ratio_to_scorer, w.overhead_us
         );
         s += &format!(

@@ -109,6 +109,10 @@ impl LayerOps for CpuLayer {
         Ok(())
     }
 
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+
     unsafe fn swap_in(&mut self, indices: u64, window_len: u32, count: u32, src_ids: u64, _stream: StreamHandle) -> Result<()> {
         if src_ids != 0 {
             // SAFETY: the caller guarantees `count` ids at src_ids and

@@ -50,6 +50,9 @@ pub trait LayerOps: Send {
     /// `src_ids`, when not 0, to `count` int32 values not overlapping them.
     unsafe fn swap_in(&mut self, indices: u64, window_len: u32, count: u32, src_ids: u64, stream: StreamHandle) -> Result<()>;
 
+    /// The concrete layer (a backend's own calls over several layers).
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+
     /// What `swap_in` checks before it changes anything (the layer is
     /// usable, the stream and pointers are the device's), so that a call
     /// over several layers refuses them all before any runs.

@@ -353,20 +353,21 @@ pub extern "C" fn kvswap_swap_in_selected(
 /// request's selected entries, so the scorer's output needs no copy per
 /// layer; with `topk` NULL the entries already hold the selection.
 ///
-/// On the CUDA backend with `sync = 0` the layers run side by side, on up
-/// to 32 streams the context makes at creation, forked from `stream` and
-/// joined back to it: `stream`'s later work (and a graph's later nodes)
-/// waits for every layer. The call may be captured in a CUDA graph. Streams
-/// that joined a capture stay in it until that capture ends: until then, a
-/// call of the same context outside that capture runs its layers one after
-/// another on its own `stream` (same results). With `sync = 1`, and on the
-/// CPU backend, the layers run one after another in the requests' order.
-/// A request whose swap-in fails stops the call, which returns its error
-/// (naming the request and layer): the requests before it were done (with
-/// `sync = 0`: issued), the ones after it are unchanged, and its own layer
-/// is left as `kvswap_swap_in_selected` leaves it on that error (a copy
-/// kernel that cannot be launched makes it unusable, as there), with
-/// `topk` possibly already copied into its entries.
+/// On the CUDA backend with `sync = 0` the call is one launch pair on
+/// `stream` for up to 64 requests (more: one pair per 64, in order): a
+/// residency kernel with one block per layer (copying `topk` in first),
+/// then one copy kernel for all their misses. It may be captured in a CUDA
+/// graph. If that copy kernel cannot be launched (twice) after the residency
+/// kernel was queued, an eager call leaves every layer of the pair that had
+/// entries unusable, as `kvswap_swap_in_selected` leaves its layer, and
+/// names them (a captured call returns the error: the capture is not
+/// usable). With `KVSWAP_VALIDATE=1`, with `sync = 1`, and on the CPU
+/// backend, the layers run one after another in the requests' order; a
+/// request whose swap-in fails then stops the call, which returns its error
+/// (naming the request and layer): the requests before it were done, the
+/// ones after it are unchanged, and its own layer is left as
+/// `kvswap_swap_in_selected` leaves it on that error, with `topk` possibly
+/// already copied into its entries.
 /// Errors in the entries themselves are found as `kvswap_swap_in_selected`
 /// finds them: with `sync = 0` they are deferred per layer and every
 /// request runs.

@@ -16,28 +16,20 @@ use crate::residency::EntryError;
 use driver::{kernel_params, CUstream, Device, DeviceBuffer, Event, Kernel, Module, OwnedStream, PinnedBuffer};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, OnceLock};
 
 /// Test hook: the next `n` launch attempts of the swap-in gather fail as if
 /// the driver had refused them (tests/gpu.rs; every attempt takes one).
 #[doc(hidden)]
 pub fn fail_gather_launches(n: u32) {
-    fail_gather_launches_after(0, n);
-}
-/// Test hook: as `fail_gather_launches`, after `skip` attempts that go
-/// through (a failure midway through a call over several layers).
-#[doc(hidden)]
-pub fn fail_gather_launches_after(skip: u32, n: u32) {
-    GATHER_SKIPS.store(skip, Ordering::Relaxed);
     GATHER_FAULTS.store(n, Ordering::Relaxed);
 }
-static GATHER_SKIPS: AtomicU32 = AtomicU32::new(0);
 static GATHER_FAULTS: AtomicU32 = AtomicU32::new(0);
 
-/// Whether the test hooks refuse this gather launch attempt.
+/// Whether the test hook refuses this gather launch attempt (single and
+/// multi-layer gathers alike).
 fn gather_fault_injected() -> bool {
-    let take = |a: &AtomicU32| a.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok();
-    !take(&GATHER_SKIPS) && take(&GATHER_FAULTS)
+    GATHER_FAULTS.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok()
 }
 
 /// Ids per store launch (`KV_STORE_MAX` in kernels/swap.cu).
@@ -84,6 +76,8 @@ struct Kernels {
     gather: Kernel,
     store: Kernel,
     validate: Kernel,
+    swap_in_multi: Kernel,
+    gather_multi: Kernel,
 }
 
 /// What every layer of a context shares. Field order is drop order: the
@@ -101,82 +95,35 @@ struct Shared {
 }
 
 pub struct CudaBackend {
-    /// Streams and events of `kvswap_swap_in_layers` (before `shared`: they
-    /// go before the device's context is released).
-    side: Mutex<SideStreams>,
+    /// Every layer's `LayerDev`, in layer order, for the multi-layer
+    /// kernels (written once the layers exist; before `shared`: freed
+    /// before the device's context is released).
+    table: OnceLock<DeviceBuffer>,
     shared: Arc<Shared>,
 }
 
-/// At most this many streams run one `kvswap_swap_in_layers` call's layers
-/// side by side (request i of a call on side stream i % P, P = the number
-/// of requests up to this).
-const SIDE_STREAMS_MAX: usize = 32;
+/// Requests per `kvswap_swap_in_multi` launch (`KV_MULTI_MAX` in
+/// kernels/swap.cu); a call with more launches them in groups, in order.
+const MULTI_MAX: usize = 64;
 
-/// Side streams for the layers of a `kvswap_swap_in_layers` call: they fork
-/// from the engine's stream (`fork` recorded there, each side stream waits
-/// for it) and join it again (each records its `joins` event, the engine's
-/// stream waits for all): graph edges when the engine's stream is captured.
-/// Locked for a whole call. A side stream that joined a capture stays in it
-/// until that capture ends (joining back only adds the dependency): until
-/// then a call outside that capture finds it capturing and runs its layers
-/// one after another on its own stream instead.
-#[derive(Default)]
-struct SideStreams {
-    streams: Vec<OwnedStream>,
-    joins: Vec<Event>,
-    fork: Option<Event>,
+/// `MultiReq` in kernels/swap.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MultiReq {
+    indices: u64,
+    layer: u32,
+    window: u32,
+    count: u32,
+    vec: u32,
 }
 
-/// The side streams a call forked (the first `forked`), joined back to `s`
-/// by `join` or, if a layer's call panicked, by the drop: `s` must wait for
-/// what was launched, and a side stream that joined a capture must rejoin
-/// it before the capture ends. An eager join that cannot be made is
-/// replaced by a host wait for that side stream.
-struct Joins<'a> {
-    side: &'a SideStreams,
-    s: CUstream,
-    capturing: bool,
-    forked: usize,
-}
-
-impl Joins<'_> {
-    /// Joins every forked stream (also after an error); the first error.
-    fn join(&mut self) -> Result<()> {
-        let mut result = Ok(());
-        for (st, join) in self.side.streams[..self.forked].iter().zip(&self.side.joins) {
-            if let Err(e) = join.record(st.0).and_then(|()| driver::stream_wait_event(self.s, join, false)) {
-                if !self.capturing {
-                    let _ = st.sync();
-                }
-                if result.is_ok() {
-                    result = Err(e);
-                }
-            }
-        }
-        self.forked = 0;
-        result
-    }
-}
-
-impl Drop for Joins<'_> {
-    fn drop(&mut self) {
-        let _ = self.join();
-    }
-}
-
-impl SideStreams {
-    /// Grows the pool to `n` streams (device bound; at context creation).
-    fn grow(&mut self, n: usize) -> Result<()> {
-        if self.fork.is_none() {
-            self.fork = Some(Event::new(false)?);
-        }
-        while self.streams.len() < n {
-            let e = Event::new(false)?;
-            self.streams.push(OwnedStream::new()?);
-            self.joins.push(e);
-        }
-        Ok(())
-    }
+/// `MultiReqs` in kernels/swap.cu (by value: a captured graph holds it).
+#[repr(C)]
+struct MultiReqs {
+    src: u64,
+    n: u32,
+    pad: u32,
+    r: [MultiReq; MULTI_MAX],
 }
 
 impl CudaBackend {
@@ -194,21 +141,130 @@ impl CudaBackend {
             gather: module.function(c"kvswap_gather")?,
             store: module.function(c"kvswap_store")?,
             validate: module.function(c"kvswap_validate")?,
+            swap_in_multi: module.function(c"kvswap_swap_in_multi")?,
+            gather_multi: module.function(c"kvswap_gather_multi")?,
         };
         // Leave room for the kernel's static shared memory.
         let swap_smem_max = (device.smem_optin - 1024).max(0) as u32;
         kernels.swap_in.set_max_dynamic_smem(swap_smem_max as i32)?;
+        kernels.swap_in_multi.set_max_dynamic_smem(swap_smem_max as i32)?;
         let internal = OwnedStream::new()?;
         let pdl = device.cc.0 >= 9;
         drop(_g);
         Ok(CudaBackend {
-            side: Mutex::new(SideStreams::default()),
+            table: OnceLock::new(),
             shared: Arc::new(Shared { kernels, swap_smem_max, pdl: AtomicBool::new(pdl), _module: module, internal, device }),
         })
     }
 
     pub fn device(&self) -> &Device {
         &self.shared.device
+    }
+
+    /// One launch pair for `group` (requests `first ..` of the call): each
+    /// layer's ordering after its earlier eager work, the residency kernel
+    /// (one block per request, the top-k copied in first), the gather as its
+    /// programmatic dependent (retried as a plain launch), then each layer's
+    /// `done` record. If the gather cannot be launched at all after the
+    /// residency kernel was queued, an eager call leaves every layer of the
+    /// group that had entries with slots mapped to bytes never copied: they
+    /// are marked unusable, as one layer's call does; a captured call has
+    /// ended its capture.
+    ///
+    /// # Safety
+    /// As `LayerOps::swap_in`, for every request (checked by the context).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_multi(
+        &self,
+        table: &DeviceBuffer,
+        group: &mut [(&mut CudaLayer, KvswapSwapIn)],
+        first: usize,
+        src_ids: u64,
+        s: CUstream,
+        stream: StreamHandle,
+        capture: Option<u64>,
+    ) -> Result<()> {
+        let sh = &self.shared;
+        let k = &sh.kernels;
+        let capturing = capture.is_some();
+        for (i, (l, r)) in group.iter_mut().enumerate() {
+            l.order(s, stream, capture).map_err(|e| r.error(first + i, e))?;
+        }
+        let mut q = MultiReqs { src: src_ids, n: group.len() as u32, pad: 0, r: [MultiReq::default(); MULTI_MAX] };
+        let (mut threads, mut smem, mut pieces) = (64u32, 0u32, 0u64);
+        for (i, (l, r)) in group.iter().enumerate() {
+            let (t, m) = l.swap_shape(r.count);
+            threads = threads.max(t);
+            smem = smem.max(m);
+            if l.dev.identity == 0 {
+                pieces = pieces.max(r.count as u64 * (l.plan.chunk_bytes as u64).div_ceil(2048));
+            }
+            q.r[i] = MultiReq { indices: r.indices as u64, layer: l.plan.index as u32, window: r.window_len, count: r.count, vec: l.vec_ok(&[]) as u32 };
+        }
+        let n = group.len() as u32;
+        let mut tbl = table.ptr;
+        let mut params = kernel_params![tbl, q];
+        // SAFETY: parameters match kvswap_swap_in_multi(const LayerDev*,
+        // MultiReqs); the table holds every layer's LayerDev; indices (and
+        // src_ids) were range-checked by each layer's check_swap_in; smem is
+        // the largest any request needs, within the limit checked at creation.
+        let mut launched = unsafe { k.swap_in_multi.launch(n, threads, smem, s, &mut params) };
+        if launched.is_ok() && pieces > 0 {
+            let gx = pieces.div_ceil(8).clamp(1, (sh.device.sm_count as u64 * 16 / n as u64).max(1)) as u32;
+            let attempt = |dependent: bool, params: &mut [*mut c_void]| -> Result<()> {
+                if gather_fault_injected() {
+                    return Err(Error::device("kvswap_gather_multi launch refused (injected by a test)"));
+                }
+                // SAFETY: parameters match kvswap_gather_multi(const LayerDev*, MultiReqs).
+                unsafe {
+                    if dependent {
+                        k.gather_multi.launch_dependent_2d((gx, n), 256, 0, s, params)
+                    } else {
+                        k.gather_multi.launch_2d((gx, n), 256, 0, s, params)
+                    }
+                }
+            };
+            let pdl = sh.pdl.load(Ordering::Relaxed);
+            if let Err(e1) = attempt(pdl, &mut params) {
+                if let Err(e2) = attempt(false, &mut params) {
+                    let both = format!("{} (retried as a plain launch: {})", e1.message, e2.message);
+                    launched = Err(if capturing {
+                        Error::new(e1.status, both)
+                    } else {
+                        let mut named = Vec::new();
+                        for (l, _) in group.iter_mut().filter(|(l, r)| l.dev.identity == 0 && r.count > 0) {
+                            l.broken = Some(format!(
+                                "layer {}: the copy kernel of a kvswap_swap_in_layers call could not be launched after its \
+                                 residency update ({both}), so some slots are mapped to chunks whose bytes were never copied; \
+                                 destroy the context and create it again",
+                                l.plan.index
+                            ));
+                            named.push(l.plan.index.to_string());
+                        }
+                        Error::device(format!(
+                            "layers {}: the copy kernel could not be launched after the residency update ({both}), so some \
+                             of their slots are mapped to chunks whose bytes were never copied; destroy the context and \
+                             create it again",
+                            named.join(", ")
+                        ))
+                    });
+                } else {
+                    log::warn!("kvswap: gather_multi launch failed ({}); retried as a plain launch", e1.message);
+                    if pdl {
+                        sh.pdl.store(false, Ordering::Relaxed);
+                        log::warn!("kvswap: programmatic dependent launch of the gather turned off for this context");
+                    }
+                }
+            }
+        }
+        // Each layer's `done` covers what was queued, also after a failure.
+        let mut recorded = Ok(());
+        for (l, _) in group.iter_mut() {
+            if let Err(e) = l.after_launch(s, capturing, Ok(())) {
+                recorded = recorded.and(Err(e));
+            }
+        }
+        launched.and(recorded)
     }
 }
 
@@ -242,9 +298,13 @@ impl Backend for CudaBackend {
         let mut layers: Vec<Box<dyn LayerOps>> = Vec::with_capacity(plans.len());
         let mut built = Ok(());
         let mut offset = 0u64;
+        let mut table: Vec<LayerDev> = Vec::with_capacity(plans.len());
         for p in plans {
             match CudaLayer::new(sh.clone(), p, cfg, pool.clone(), offset) {
-                Ok(l) => layers.push(Box::new(l)),
+                Ok(l) => {
+                    table.push(l.dev);
+                    layers.push(Box::new(l));
+                }
                 Err(e) => {
                     built = Err(e);
                     break;
@@ -258,62 +318,43 @@ impl Backend for CudaBackend {
         let synced = sh.internal.sync();
         built?;
         synced?;
-        // The side streams of kvswap_swap_in_layers, one per layer up to
-        // SIDE_STREAMS_MAX, made now so a call captured first has them too.
-        self.side.lock().unwrap_or_else(|p| p.into_inner()).grow(plans.len().min(SIDE_STREAMS_MAX))?;
+        // The LayerDev table of the multi-layer kernels.
+        let bytes = table.len() * std::mem::size_of::<LayerDev>();
+        let buf = DeviceBuffer::alloc(bytes, "the layer table")?;
+        // SAFETY: buf holds `bytes`; `table` lives until the sync below.
+        unsafe { driver::copy_htod_async(buf.ptr, table.as_ptr() as *const u8, bytes, sh.internal.0)? };
+        sh.internal.sync()?;
+        let _ = self.table.set(buf);
         Ok(layers)
     }
 
-    /// The layers side by side: request i on side stream i % P (P = the
-    /// requests, at most SIDE_STREAMS_MAX), forked from `stream` and joined
-    /// back to it, so `stream`'s later work waits for every layer's. Each
-    /// layer's own ordering (`CudaLayer::order`) still applies on its side
-    /// stream. One after another on `stream` when a side stream is still in
-    /// another capture than this call's (or in one while this call is eager).
+    /// The layers in one launch pair (`kvswap_swap_in_multi`, then
+    /// `kvswap_gather_multi` as its programmatic dependent), up to MULTI_MAX
+    /// requests per pair, on `stream`. With KVSWAP_VALIDATE=1 (a per-layer
+    /// check after each swap-in) one call per layer instead.
     unsafe fn swap_in_layers(&self, layers: &mut [(&mut Box<dyn LayerOps>, KvswapSwapIn)], src_ids: u64, stream: StreamHandle) -> Result<()> {
+        let Some(table) = self.table.get() else {
+            return Err(Error::device("the context's layer table is missing (its creation failed)"));
+        };
         let dev = &self.shared.device;
         let _g = dev.bind()?;
         let s = stream as CUstream;
         check_stream_device(dev, s)?;
         let capture = driver::capture_id(s)?;
-        let capturing = capture.is_some();
-        let side = self.side.lock().unwrap_or_else(|p| p.into_inner());
-        let p = side.streams.len().min(layers.len());
-        let mut free = true;
-        for st in &side.streams[..p] {
-            let c = driver::capture_id(st.0)?;
-            free &= c.is_none() || c == capture;
-        }
-        let Some(fork) = side.fork.as_ref().filter(|_| p >= 2 && free) else {
-            // One request, or side streams held by another capture: one
-            // after another on `stream`.
-            drop(side);
+        let mut cuda: Vec<(&mut CudaLayer, KvswapSwapIn)> = layers
+            .iter_mut()
+            .map(|(l, r)| (l.as_any_mut().downcast_mut::<CudaLayer>().expect("a CUDA context's layers are CudaLayer"), *r))
+            .collect();
+        if cuda.iter().any(|(l, _)| l.validate) {
+            drop(cuda);
             // SAFETY: forwarded caller contract.
             return unsafe { super::swap_in_each(layers, src_ids, stream) };
-        };
-        let mut result = fork.record(s);
-        let mut joins = Joins { side: &side, s, capturing, forked: 0 };
-        if result.is_ok() {
-            for st in &side.streams[..p] {
-                if let Err(e) = driver::stream_wait_event(st.0, fork, false) {
-                    result = Err(e);
-                    break;
-                }
-                joins.forked += 1;
-            }
         }
-        if result.is_ok() {
-            for (i, (l, r)) in layers.iter_mut().enumerate() {
-                // SAFETY: forwarded caller contract; the side stream is
-                // this device's and ordered after `stream`'s earlier work.
-                if let Err(e) = unsafe { l.swap_in(r.indices as u64, r.window_len, r.count, src_ids, side.streams[i % p].0 as StreamHandle) } {
-                    result = Err(r.error(i, e));
-                    break;
-                }
-            }
+        for (g, group) in cuda.chunks_mut(MULTI_MAX).enumerate() {
+            // SAFETY: forwarded caller contract (checked by the context).
+            unsafe { self.launch_multi(table, group, g * MULTI_MAX, src_ids, s, stream, capture)? };
         }
-        let joined = joins.join();
-        result.and(joined)
+        Ok(())
     }
 
     fn sync_stream(&self, stream: StreamHandle) -> Result<()> {
@@ -706,14 +747,21 @@ impl CudaLayer {
     /// Launches the residency kernel, the gather and (optionally) validation.
     /// `capturing`: `s` is being captured (a failed launch then ends the
     /// capture rather than leaving the layer half-updated).
-    fn launch_swap(&mut self, indices: u64, window_len: u32, count: u32, strict: bool, s: CUstream, capturing: bool) -> Result<()> {
-        let k = &self.sh.kernels;
+    /// Threads and dynamic shared memory of the residency kernel for a call
+    /// of `count` entries (count <= slots, checked at creation, so the
+    /// shared memory fits u32 and the device's limit).
+    fn swap_shape(&self, count: u32) -> (u32, u32) {
         let n = if self.dev.identity != 0 { count } else { count.max(self.dev.slots) };
         let threads = n.next_multiple_of(32).clamp(64, 1024);
+        let smem = if self.dev.identity != 0 { 0 } else { swap_smem(count, self.dev.slots) as u32 };
+        (threads, smem)
+    }
+
+    fn launch_swap(&mut self, indices: u64, window_len: u32, count: u32, strict: bool, s: CUstream, capturing: bool) -> Result<()> {
+        let k = &self.sh.kernels;
+        let (threads, smem) = self.swap_shape(count);
         let (mut d, mut idx, mut win, mut cnt, mut st) = (self.dev, indices, window_len, count, strict as u32);
         let mut params = kernel_params![d, idx, win, cnt, st];
-        // (count <= slots: within the limit checked at creation, so it fits u32.)
-        let smem = if self.dev.identity != 0 { 0 } else { swap_smem(count, self.dev.slots) as u32 };
         // SAFETY: parameters match kvswap_swap_in(LayerDev, i32*, u32, u32, u32);
         // indices were range-checked for window_len + count ints; smem is
         // within the limit checked at creation (count <= slots).
@@ -820,6 +868,10 @@ impl LayerOps for CudaLayer {
             self.take_error(s)?;
         }
         Ok(())
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
     }
 
     fn check_swap_in(&self, indices: u64, window_len: u32, count: u32, src_ids: u64, stream: StreamHandle) -> Result<()> {
