@@ -1443,7 +1443,7 @@ static void swap_requests(KvswapSwapIn *req, uint32_t n, const uint32_t *order, 
  * shared top-k copied in, against one kvswap_swap_in_selected per layer on
  * a twin context (index buffers, counters, deferred errors); then refusals,
  * each naming its request and changing nothing. With sync = 0, so on CUDA
- * the layers run on the context's side streams. */
+ * the layers share one launch pair. */
 static void test_swap_in_layers(void) {
     enum { NL = 3, CAP = 32, CB = 32, SLOTS = 4, WIN = 2, CNT = 4, N = WIN + CNT };
     KvswapConfig cfg = test_config(1, SLOTS, SLOTS);

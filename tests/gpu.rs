@@ -669,14 +669,14 @@ fn freed_range_is_refused_after_passing_once() {
     assert_eq!(gpu.stats(0).unwrap().stores, 2, "the refused call stored nothing");
 }
 
-/// `kvswap_swap_in_layers` on CUDA (layers side by side on forked streams)
-/// against one CPU `swap_in` per request: eager calls over random subsets
+/// `kvswap_swap_in_layers` on CUDA (one launch pair for all layers) against
+/// one CPU `swap_in` per request: eager calls over random subsets
 /// of 21 layers in random order with the shared top-k copied in, then the
 /// same call captured in a graph and replayed with new top-k values, then a
 /// KVSWAP_SYNC=1 context (one layer after another; a fixed step stops at a
 /// middle request, and random never-stored ids stop others). Index buffers
-/// (after eager calls read back on the call's stream, so the join must
-/// order them), errors, counters and the staged bytes of the selected slots
+/// (after eager calls read back on the call's stream, so the call's work
+/// must be ordered on it), errors, counters and the staged bytes of the selected slots
 /// equal the CPU's at every step; with KVSWAP_SYNC=0 a never-stored id is
 /// deferred on the same layer as the CPU's.
 #[test]
@@ -929,5 +929,90 @@ fn swap_in_layers_around_captures_and_failures() {
     gpu.sync_stream(s1.0 as u64).unwrap();
     for l in 0..layers {
         assert_eq!(read(l, &s1), expect(&cpu, l), "layer {l}: correct after the failed capture");
+    }
+}
+
+/// `kvswap_swap_in_layers` on CUDA over 70 different layers (two launch
+/// pairs when a call names more than 64): swapping layers and fully
+/// resident ones, 256- and 100-byte chunks (16-byte and byte copies), a
+/// count of its own per request, with the shared top-k and without. Index
+/// buffers, deferred errors, counters and staged bytes equal one CPU
+/// `swap_in` per request at every step.
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn swap_in_layers_mixed_layers_match_cpu() {
+    use kvswap::KvswapSwapIn;
+    let mut rng = Rng::fresh("gpu swap layers mixed");
+    let (layers, slots, window) = (70usize, 64u32, 4u32);
+    let cap = |l: usize| if l % 7 == 3 { 40u32 } else { 600 + 13 * l as u32 }; // 40 <= slots: fully resident
+    let chunk = |l: usize| if l % 2 == 0 { 256usize } else { 100 };
+    let specs: Vec<_> = (0..layers).map(|l| spec(cap(l), chunk(l) as u32)).collect();
+    let cpu = Context::new(config(BackendChoice::Cpu, slots, false), &specs).unwrap();
+    let gpu = Context::new(config(BackendChoice::Cuda, slots, false), &specs).unwrap();
+    for l in 0..layers {
+        let ids: Vec<i32> = (0..cap(l) as i32 - 3).collect(); // the last 3 never stored
+        let mut rows = vec![0u8; ids.len() * chunk(l)];
+        rng.fill(&mut rows);
+        cpu.store_rows(l, &ids, &rows).unwrap();
+        gpu.store_rows(l, &ids, &rows).unwrap();
+    }
+    let dev = Device::open(0).unwrap();
+    let _g = dev.bind().unwrap();
+    let stream = OwnedStream::new().unwrap();
+    let s = stream.0;
+    let n_idx = (window + slots) as usize;
+    let idx: Vec<DeviceBuffer> = (0..layers).map(|_| DeviceBuffer::alloc(4 * n_idx, "idx").unwrap()).collect();
+    let topk = DeviceBuffer::alloc(4 * slots as usize, "topk").unwrap();
+    for step in 0..common::scaled(60) {
+        let mut order: Vec<usize> = (0..layers).collect();
+        for i in (1..layers).rev() {
+            order.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        order.truncate(2 + rng.below(layers as u64 - 1) as usize);
+        let shared = rng.below(2) == 0;
+        // Shared ids lie below every cap (36..39 are never stored in the
+        // resident layers: deferred errors there).
+        let shared_ids: Vec<i32> = (0..slots).map(|_| if rng.below(30) == 0 { -1 } else { rng.below(40) as i32 }).collect();
+        let mut reqs = Vec::new();
+        let mut expect = Vec::new();
+        for &l in &order {
+            let count = rng.below(slots as u64 + 1) as u32;
+            let mut host: Vec<i32> = (0..window as i32).map(|i| 900 + i).collect();
+            if shared {
+                host.extend(std::iter::repeat_n(-7, count as usize));
+            } else {
+                host.extend((0..count).map(|_| match rng.below(40) {
+                    0 => -1,
+                    1 => cap(l) as i32 - 1, // never stored
+                    _ => rng.below(cap(l) as u64) as i32 % (cap(l) as i32 - 3),
+                }));
+            }
+            unsafe { driver::copy_htod_async(idx[l].ptr, host.as_ptr() as *const u8, 4 * host.len(), s).unwrap() };
+            let mut e = host.clone();
+            if shared {
+                e[window as usize..].copy_from_slice(&shared_ids[..count as usize]);
+            }
+            cpu.swap_in(l, &mut e, window).unwrap();
+            expect.push(e);
+            reqs.push(KvswapSwapIn { layer: l as u32, window_len: window, count, reserved: 0, indices: idx[l].ptr as *mut i32 });
+        }
+        unsafe { driver::copy_htod_async(topk.ptr, shared_ids.as_ptr() as *const u8, 4 * shared_ids.len(), s).unwrap() };
+        stream.sync().unwrap();
+        unsafe { gpu.swap_in_layers_raw(&reqs, if shared { topk.ptr } else { 0 }, s as u64) }.unwrap();
+        for (&l, e) in order.iter().zip(&expect) {
+            let mut got = vec![0i32; e.len()];
+            unsafe { driver::copy_dtoh_async(got.as_mut_ptr() as *mut u8, idx[l].ptr, 4 * e.len(), s).unwrap() };
+            stream.sync().unwrap();
+            assert_eq!(&got, e, "step {step} layer {l} (shared {shared}): physical ids");
+        }
+        let (a, b) = (cpu.sync(), gpu.sync_stream(s as u64));
+        assert_eq!(a.map_err(|e| e.message), b.map_err(|e| e.message), "step {step}: deferred errors");
+        for &l in &order {
+            assert_eq!(cpu.stats(l).unwrap(), gpu.stats(l).unwrap(), "step {step} layer {l}: stats");
+        }
+        let l = order[rng.below(order.len() as u64) as usize];
+        for (slot, _) in cpu.residency(l).unwrap() {
+            assert_eq!(cpu.slot_bytes(l, slot).unwrap(), gpu.slot_bytes(l, slot).unwrap(), "step {step} layer {l} slot {slot}");
+        }
     }
 }

@@ -818,10 +818,11 @@ fn batch_equals_single_calls() {
     assert_eq!(fm_score_topk_batch(fm.0, b, c_seqs.as_ptr(), k, null_mut()), KvswapStatus::InvalidArgument);
     assert!(last_error().contains("seqs[0].n_chunks is 0"), "{}", last_error());
     // Two sequences writing overlapping outputs (the last one writes into
-    // the first one's buffer, one element in): refused, nothing written.
+    // the first one's buffer, one element in; with k = 1 the same element,
+    // as one element in would merely touch it): refused, nothing written.
     if b > 1 {
         c_seqs[0].n_chunks = seqs[0].n;
-        c_seqs[b - 1].out_indices = c_seqs[0].out_indices.wrapping_add(1);
+        c_seqs[b - 1].out_indices = c_seqs[0].out_indices.wrapping_add((k > 1) as usize);
         assert_eq!(fm_score_topk_batch(fm.0, b, c_seqs.as_ptr(), k, null_mut()), KvswapStatus::InvalidArgument);
         let e = last_error();
         assert!(e.contains("seqs[0].out_indices") && e.contains(&format!("seqs[{}].out_indices", b - 1)) && e.contains("overlap"), "{e}");

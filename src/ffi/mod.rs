@@ -358,10 +358,12 @@ pub extern "C" fn kvswap_swap_in_selected(
 /// residency kernel with one block per layer (copying `topk` in first),
 /// then one copy kernel for all their misses. It may be captured in a CUDA
 /// graph. If that copy kernel cannot be launched (twice) after the residency
-/// kernel was queued, an eager call leaves every layer of the pair that had
-/// entries unusable, as `kvswap_swap_in_selected` leaves its layer, and
-/// names them (a captured call returns the error: the capture is not
-/// usable). With `KVSWAP_VALIDATE=1`, with `sync = 1`, and on the CPU
+/// kernel was queued, an eager call leaves every swapping layer of the pair
+/// that had entries unusable, as `kvswap_swap_in_selected` leaves its layer,
+/// and names them; a captured call returns the error, and that capture must
+/// be discarded (its graph would update residency without copying). When a
+/// launch of a later pair fails, the pairs before it were issued and the
+/// ones after it are unchanged. With `KVSWAP_VALIDATE=1`, with `sync = 1`, and on the CPU
 /// backend, the layers run one after another in the requests' order; a
 /// request whose swap-in fails then stops the call, which returns its error
 /// (naming the request and layer): the requests before it were done, the

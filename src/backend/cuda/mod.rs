@@ -167,9 +167,9 @@ impl CudaBackend {
     /// programmatic dependent (retried as a plain launch), then each layer's
     /// `done` record. If the gather cannot be launched at all after the
     /// residency kernel was queued, an eager call leaves every layer of the
-    /// group that had entries with slots mapped to bytes never copied: they
-    /// are marked unusable, as one layer's call does; a captured call has
-    /// ended its capture.
+    /// group that had entries with slots mapped to bytes never copied: the
+    /// swapping ones are marked unusable, as one layer's call does; a
+    /// captured call returns the error (the capture must be discarded).
     ///
     /// # Safety
     /// As `LayerOps::swap_in`, for every request (checked by the context).
