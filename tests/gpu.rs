@@ -29,6 +29,21 @@ fn selection(rng: &mut Rng, cap: u32, count: usize, hot: u32) -> Vec<i32> {
         .collect()
 }
 
+/// A CPU and a CUDA context of `specs` (gpu_chunks `slots`), with chunks
+/// `0 .. stored(l)` of every layer l stored in both (random bytes).
+fn twins(rng: &mut Rng, specs: &[KvswapLayerSpec], slots: u32, sync: bool, stored: impl Fn(usize) -> u32) -> (Context, Context) {
+    let cpu = Context::new(config(BackendChoice::Cpu, slots, sync), specs).unwrap();
+    let gpu = Context::new(config(BackendChoice::Cuda, slots, sync), specs).unwrap();
+    for (l, sp) in specs.iter().enumerate() {
+        let ids: Vec<i32> = (0..stored(l) as i32).collect();
+        let mut rows = vec![0u8; ids.len() * sp.chunk_bytes as usize];
+        rng.fill(&mut rows);
+        cpu.store_rows(l, &ids, &rows).unwrap();
+        gpu.store_rows(l, &ids, &rows).unwrap();
+    }
+    (cpu, gpu)
+}
+
 /// 10,000 random steps: the CUDA slots and staged bytes equal the CPU
 /// backend's, in both the synchronous and the asynchronous mode (indices,
 /// errors and the staged bytes of the selected slots every swap-in, the
@@ -114,16 +129,8 @@ fn graph_replay_21_layers_matches_cpu() {
     let mut rng = Rng::fresh("gpu graph");
     let (layers, cap, chunk, slots, window) = (21usize, 4096u32, 2048usize, 512u32, 128u32);
     let specs: Vec<_> = (0..layers).map(|_| spec(cap, chunk as u32)).collect();
-    let cpu = Context::new(config(BackendChoice::Cpu, slots, false), &specs).unwrap();
-    let gpu = Context::new(config(BackendChoice::Cuda, slots, false), &specs).unwrap();
-    // Prefill every chunk of every layer on both.
-    let mut rows = vec![0u8; cap as usize * chunk];
-    let ids: Vec<i32> = (0..cap as i32).collect();
-    for l in 0..layers {
-        rng.fill(&mut rows);
-        cpu.store_rows(l, &ids, &rows).unwrap();
-        gpu.store_rows(l, &ids, &rows).unwrap();
-    }
+    // Every chunk of every layer stored on both.
+    let (cpu, gpu) = twins(&mut rng, &specs, slots, false, |_| cap);
     let dev = Device::open(0).unwrap();
     let _g = dev.bind().unwrap();
     let stream = OwnedStream::new().unwrap();
@@ -700,16 +707,9 @@ fn swap_in_layers_matches_cpu() {
         got
     };
     for sync in [false, true] {
-        let cpu = Context::new(config(BackendChoice::Cpu, slots, sync), &specs).unwrap();
-        let gpu = Context::new(config(BackendChoice::Cuda, slots, sync), &specs).unwrap();
         // Every chunk stored but the last 8 of each layer.
-        let ids: Vec<i32> = (0..cap as i32 - 8).collect();
-        let mut rows = vec![0u8; ids.len() * chunk];
-        for l in 0..layers {
-            rng.fill(&mut rows);
-            cpu.store_rows(l, &ids, &rows).unwrap();
-            gpu.store_rows(l, &ids, &rows).unwrap();
-        }
+        let (cpu, gpu) = twins(&mut rng, &specs, slots, sync, |_| cap - 8);
+        let rows = vec![0x5au8; chunk];
         let mut hot = 0u32;
         let pick = |rng: &mut Rng, hot: u32| -> i32 {
             match rng.below(200) {
@@ -849,19 +849,8 @@ fn swap_in_layers_around_captures_and_failures() {
         s.sync().unwrap();
         got
     };
-    let fresh = || {
-        let (cpu, gpu) = (
-            Context::new(config(BackendChoice::Cpu, slots, false), &specs).unwrap(),
-            Context::new(config(BackendChoice::Cuda, slots, false), &specs).unwrap(),
-        );
-        let ids: Vec<i32> = (0..cap as i32).collect();
-        let rows = vec![5u8; cap as usize * chunk];
-        for l in 0..layers {
-            cpu.store_rows(l, &ids, &rows).unwrap();
-            gpu.store_rows(l, &ids, &rows).unwrap();
-        }
-        (cpu, gpu)
-    };
+    let mut rng = Rng::fresh("gpu swap layers failures");
+    let mut fresh = || twins(&mut rng, &specs, slots, false, |_| cap);
     let expect = |cpu: &Context, l: usize| {
         let mut e = sel.clone();
         cpu.swap_in(l, &mut e, 0).unwrap();
@@ -947,15 +936,7 @@ fn swap_in_layers_mixed_layers_match_cpu() {
     let cap = |l: usize| if l % 7 == 3 { 40u32 } else { 600 + 13 * l as u32 }; // 40 <= slots: fully resident
     let chunk = |l: usize| if l % 2 == 0 { 256usize } else { 100 };
     let specs: Vec<_> = (0..layers).map(|l| spec(cap(l), chunk(l) as u32)).collect();
-    let cpu = Context::new(config(BackendChoice::Cpu, slots, false), &specs).unwrap();
-    let gpu = Context::new(config(BackendChoice::Cuda, slots, false), &specs).unwrap();
-    for l in 0..layers {
-        let ids: Vec<i32> = (0..cap(l) as i32 - 3).collect(); // the last 3 never stored
-        let mut rows = vec![0u8; ids.len() * chunk(l)];
-        rng.fill(&mut rows);
-        cpu.store_rows(l, &ids, &rows).unwrap();
-        gpu.store_rows(l, &ids, &rows).unwrap();
-    }
+    let (cpu, gpu) = twins(&mut rng, &specs, slots, false, |l| cap(l) - 3); // the last 3 never stored
     let dev = Device::open(0).unwrap();
     let _g = dev.bind().unwrap();
     let stream = OwnedStream::new().unwrap();
