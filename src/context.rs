@@ -214,6 +214,21 @@ impl Context {
         unsafe { self.layer(layer)?.swap_in(indices, window_len, count, 0, stream) }
     }
 
+    /// The number of requests of a `kvswap_swap_in_layers` call: at least
+    /// one, and at most one per layer (each layer is named at most once).
+    pub fn check_request_count(&self, n: usize) -> Result<()> {
+        if n == 0 {
+            return Err(Error::invalid("n is 0: a kvswap_swap_in_layers call needs at least one request"));
+        }
+        if n > self.plans.len() {
+            return Err(Error::invalid(format!(
+                "n = {n} requests, but the context has {} layers: a call swaps each layer in at most once",
+                self.plans.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// The host-side checks of one swap-in: layer, NULL indices, count,
     /// window bound.
     fn check_swap_in_args(&self, layer: usize, indices: u64, window_len: u32, count: u32) -> Result<()> {
@@ -240,16 +255,7 @@ impl Context {
     /// values of the backend's memory space that nothing else touches during
     /// the call; `topk`, when not 0, the largest `count` of them.
     pub unsafe fn swap_in_layers_raw(&self, requests: &[KvswapSwapIn], topk: u64, stream: StreamHandle) -> Result<()> {
-        if requests.is_empty() {
-            return Err(Error::invalid("n is 0: a kvswap_swap_in_layers call needs at least one request"));
-        }
-        if requests.len() > self.plans.len() {
-            return Err(Error::invalid(format!(
-                "n = {} requests, but the context has {} layers: a call swaps each layer in at most once",
-                requests.len(),
-                self.plans.len()
-            )));
-        }
+        self.check_request_count(requests.len())?;
         let at = |i: usize, r: &KvswapSwapIn, e: Error| r.error(i, e);
         // The bytes each request's selected entries span, and topk's.
         let mut spans: Vec<(u64, u64, Option<usize>)> = Vec::with_capacity(requests.len() + 1);
@@ -307,14 +313,13 @@ impl Context {
         }
         let mut work: Vec<(&mut Box<dyn LayerOps>, KvswapSwapIn)> =
             guards.iter_mut().zip(requests).map(|(g, r)| (&mut **g.as_mut().expect("locked above"), *r)).collect();
-        for (i, (l, r)) in work.iter().enumerate() {
-            l.check_swap_in(r.indices as u64, r.window_len, r.count, topk, stream).map_err(|e| at(i, r, e))?;
-        }
         if self.config.sync {
+            crate::backend::check_each(&work, topk, stream)?;
             // SAFETY: forwarded caller contract.
             unsafe { crate::backend::swap_in_each(&mut work, topk, stream) }
         } else {
-            // SAFETY: forwarded caller contract; checked as that method asks.
+            // SAFETY: forwarded caller contract; checked as that method asks
+            // (it checks each layer's pointers and the stream itself).
             unsafe { self.backend.swap_in_layers(&mut work, topk, stream) }
         }
     }

@@ -101,18 +101,28 @@ pub trait Backend: Send + Sync {
     fn host_bytes(&self, plans: &[LayerPlan]) -> u64 {
         crate::layer::total_host_bytes(plans)
     }
-    /// The swap-ins of `kvswap_swap_in_layers` (checked by the context:
-    /// distinct layers, entries that overlap neither each other nor
-    /// `src_ids`; each layer's `check_swap_in` passed). This default runs
-    /// them one after another on `stream`, stopping at the first error
-    /// (each request's error names it: `KvswapSwapIn::error`).
+    /// The swap-ins of `kvswap_swap_in_layers` with `KVSWAP_SYNC=0` (the
+    /// context checked distinct layers and entries that overlap neither each
+    /// other nor `src_ids`). Checks every request as `LayerOps::check_swap_in`
+    /// does before any layer changes. This default then runs them one after
+    /// another on `stream`, stopping at the first error (each request's
+    /// error names it: `KvswapSwapIn::error`).
     ///
     /// # Safety
     /// As `LayerOps::swap_in`, for every request.
     unsafe fn swap_in_layers(&self, layers: &mut [(&mut Box<dyn LayerOps>, KvswapSwapIn)], src_ids: u64, stream: StreamHandle) -> Result<()> {
+        check_each(layers, src_ids, stream)?;
         // SAFETY: forwarded caller contract.
         unsafe { swap_in_each(layers, src_ids, stream) }
     }
+}
+
+/// Every request's `check_swap_in`, before any layer changes.
+pub(crate) fn check_each(layers: &[(&mut Box<dyn LayerOps>, KvswapSwapIn)], src_ids: u64, stream: StreamHandle) -> Result<()> {
+    for (i, (l, r)) in layers.iter().enumerate() {
+        l.check_swap_in(r.indices as u64, r.window_len, r.count, src_ids, stream).map_err(|e| r.error(i, e))?;
+    }
+    Ok(())
 }
 
 /// The requests' swap-ins one after another on `stream`, stopping at the

@@ -395,17 +395,9 @@ pub extern "C" fn kvswap_swap_in_layers(
     boundary("kvswap_swap_in_layers", || {
         let c = ctx_ref(ctx)?;
         check_aligned(requests, "requests")?;
-        if n == 0 {
-            return Err(Error::invalid("n is 0"));
-        }
-        // Before the slice is made: it must not span more than the engine's
-        // array can hold, and a valid call names each layer at most once.
-        if n > c.n_layers() {
-            return Err(Error::invalid(format!(
-                "n = {n} requests, but the context has {} layers: a call swaps each layer in at most once",
-                c.n_layers()
-            )));
-        }
+        // Before the slice is made: n at most the layer count keeps it
+        // within the engine's array of a valid call.
+        c.check_request_count(n)?;
         // SAFETY: the engine promises `n` requests in host memory (n is at
         // most the layer count, so the slice's size fits isize).
         let requests = unsafe { std::slice::from_raw_parts(requests, n) };

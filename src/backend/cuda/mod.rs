@@ -94,6 +94,47 @@ struct Shared {
     device: Device,
 }
 
+impl Shared {
+    /// Launches a gather (`gather` or `gather_multi`) on `s` after the
+    /// residency kernel queued there: as its programmatic dependent while the
+    /// context allows (it waits with griddepcontrol.wait), retried once as a
+    /// plain launch (after it by stream order; captured, the retry becomes the
+    /// graph's node). A test hook can refuse attempts. A dependent launch
+    /// refused and a plain one accepted turns programmatic dependent launch
+    /// of the gather off for the context (no retry, no log per call after
+    /// that). Both refused: the two errors, for the caller to say what the
+    /// residency kernel left (`what` names the layers in the log).
+    ///
+    /// # Safety
+    /// `params` match `kernel`'s parameters, as `Kernel::launch` requires.
+    unsafe fn launch_gather(&self, kernel: &Kernel, grid: (u32, u32), s: CUstream, params: &mut [*mut c_void], what: &str) -> std::result::Result<(), (Error, Error)> {
+        let attempt = |dependent: bool, params: &mut [*mut c_void]| -> Result<()> {
+            if gather_fault_injected() {
+                return Err(Error::device("gather launch refused (injected by a test)"));
+            }
+            // SAFETY: forwarded caller contract.
+            unsafe {
+                if dependent {
+                    kernel.launch_dependent_2d(grid, 256, 0, s, params)
+                } else {
+                    kernel.launch_2d(grid, 256, 0, s, params)
+                }
+            }
+        };
+        let pdl = self.pdl.load(Ordering::Relaxed);
+        let Err(e1) = attempt(pdl, params) else { return Ok(()) };
+        if let Err(e2) = attempt(false, params) {
+            return Err((e1, e2));
+        }
+        log::warn!("kvswap: {what}: gather launch failed ({}); retried as a plain launch", e1.message);
+        if pdl {
+            self.pdl.store(false, Ordering::Relaxed);
+            log::warn!("kvswap: programmatic dependent launch of the gather turned off for this context");
+        }
+        Ok(())
+    }
+}
+
 pub struct CudaBackend {
     /// Every layer's `LayerDev`, in layer order, for the multi-layer
     /// kernels (written once the layers exist; before `shared`: freed
@@ -211,50 +252,30 @@ impl CudaBackend {
         let mut launched = unsafe { k.swap_in_multi.launch(n, threads, smem, s, &mut params) };
         if launched.is_ok() && pieces > 0 {
             let gx = pieces.div_ceil(8).clamp(1, (sh.device.sm_count as u64 * 16 / n as u64).max(1)) as u32;
-            let attempt = |dependent: bool, params: &mut [*mut c_void]| -> Result<()> {
-                if gather_fault_injected() {
-                    return Err(Error::device("kvswap_gather_multi launch refused (injected by a test)"));
-                }
-                // SAFETY: parameters match kvswap_gather_multi(const LayerDev*, MultiReqs).
-                unsafe {
-                    if dependent {
-                        k.gather_multi.launch_dependent_2d((gx, n), 256, 0, s, params)
-                    } else {
-                        k.gather_multi.launch_2d((gx, n), 256, 0, s, params)
-                    }
-                }
-            };
-            let pdl = sh.pdl.load(Ordering::Relaxed);
-            if let Err(e1) = attempt(pdl, &mut params) {
-                if let Err(e2) = attempt(false, &mut params) {
-                    let both = format!("{} (retried as a plain launch: {})", e1.message, e2.message);
-                    launched = Err(if capturing {
-                        Error::new(e1.status, both)
-                    } else {
-                        let mut named = Vec::new();
-                        for (l, _) in group.iter_mut().filter(|(l, r)| l.dev.identity == 0 && r.count > 0) {
-                            l.broken = Some(format!(
-                                "layer {}: the copy kernel of a kvswap_swap_in_layers call could not be launched after its \
-                                 residency update ({both}), so some slots are mapped to chunks whose bytes were never copied; \
-                                 destroy the context and create it again",
-                                l.plan.index
-                            ));
-                            named.push(l.plan.index.to_string());
-                        }
-                        Error::device(format!(
-                            "layers {}: the copy kernel could not be launched after the residency update ({both}), so some \
-                             of their slots are mapped to chunks whose bytes were never copied; destroy the context and \
-                             create it again",
-                            named.join(", ")
-                        ))
-                    });
+            let what = format!("layers {}", group.iter().map(|(l, _)| l.plan.index.to_string()).collect::<Vec<_>>().join(", "));
+            // SAFETY: parameters match kvswap_gather_multi(const LayerDev*, MultiReqs).
+            if let Err((e1, e2)) = unsafe { sh.launch_gather(&k.gather_multi, (gx, n), s, &mut params, &what) } {
+                let both = format!("{} (retried as a plain launch: {})", e1.message, e2.message);
+                launched = Err(if capturing {
+                    Error::new(e1.status, both)
                 } else {
-                    log::warn!("kvswap: gather_multi launch failed ({}); retried as a plain launch", e1.message);
-                    if pdl {
-                        sh.pdl.store(false, Ordering::Relaxed);
-                        log::warn!("kvswap: programmatic dependent launch of the gather turned off for this context");
+                    let mut named = Vec::new();
+                    for (l, _) in group.iter_mut().filter(|(l, r)| l.dev.identity == 0 && r.count > 0) {
+                        l.broken = Some(format!(
+                            "layer {}: the copy kernel of a kvswap_swap_in_layers call could not be launched after its \
+                             residency update ({both}), so some slots are mapped to chunks whose bytes were never copied; \
+                             destroy the context and create it again",
+                            l.plan.index
+                        ));
+                        named.push(l.plan.index.to_string());
                     }
-                }
+                    Error::device(format!(
+                        "layers {}: the copy kernel could not be launched after the residency update ({both}), so some \
+                         of their slots are mapped to chunks whose bytes were never copied; destroy the context and \
+                         create it again",
+                        named.join(", ")
+                    ))
+                });
             }
         }
         // Each layer's `done` covers what was queued, also after a failure.
@@ -347,8 +368,19 @@ impl Backend for CudaBackend {
             .collect();
         if cuda.iter().any(|(l, _)| l.validate) {
             drop(cuda);
+            super::check_each(layers, src_ids, stream)?;
             // SAFETY: forwarded caller contract.
             return unsafe { super::swap_in_each(layers, src_ids, stream) };
+        }
+        // The checks of check_swap_in, the stream's made once above (this
+        // path runs with KVSWAP_SYNC=0 only, so capture is allowed) and the
+        // top-k's once for the largest count.
+        for (i, (l, r)) in cuda.iter().enumerate() {
+            l.check_buffers(r.indices as u64, r.window_len, r.count, 0).map_err(|e| r.error(i, e))?;
+        }
+        if src_ids != 0 {
+            let most = cuda.iter().map(|(_, r)| r.count).max().unwrap_or(0);
+            check_device_range(dev, src_ids, 4 * most as u64, "topk")?;
         }
         for (g, group) in cuda.chunks_mut(MULTI_MAX).enumerate() {
             // SAFETY: forwarded caller contract (checked by the context).
@@ -744,9 +776,6 @@ impl CudaLayer {
         Ok(())
     }
 
-    /// Launches the residency kernel, the gather and (optionally) validation.
-    /// `capturing`: `s` is being captured (a failed launch then ends the
-    /// capture rather than leaving the layer half-updated).
     /// Threads and dynamic shared memory of the residency kernel for a call
     /// of `count` entries (count <= slots, checked at creation, so the
     /// shared memory fits u32 and the device's limit).
@@ -757,6 +786,9 @@ impl CudaLayer {
         (threads, smem)
     }
 
+    /// Launches the residency kernel, the gather and (optionally) validation.
+    /// `capturing`: `s` is being captured (a failed launch is returned, and
+    /// the capture must be discarded, rather than the layer marked unusable).
     fn launch_swap(&mut self, indices: u64, window_len: u32, count: u32, strict: bool, s: CUstream, capturing: bool) -> Result<()> {
         let k = &self.sh.kernels;
         let (threads, smem) = self.swap_shape(count);
@@ -771,50 +803,25 @@ impl CudaLayer {
             let grid = (count as u64 * pieces).div_ceil(8).clamp(1, self.sh.device.sm_count as u64 * 16) as u32;
             let mut vec = self.vec_ok(&[]) as u32;
             let mut params = kernel_params![d, vec];
-            // One launch attempt (dependent: after the residency kernel by
-            // griddepcontrol.wait; plain: after it by stream order). A test
-            // hook can refuse attempts.
-            let mut attempt = |dependent: bool| -> Result<()> {
-                if gather_fault_injected() {
-                    return Err(Error::device("kvswap_gather launch refused (injected by a test)"));
-                }
-                // SAFETY: parameters match kvswap_gather(LayerDev, u32).
-                unsafe {
-                    if dependent {
-                        k.gather.launch_dependent(grid, 256, 0, s, &mut params)
-                    } else {
-                        k.gather.launch(grid, 256, 0, s, &mut params)
-                    }
-                }
-            };
             // The residency kernel is queued and will map the misses to
             // slots: without the gather those slots would hold stale bytes.
-            // A refused launch is retried as a plain one (captured, it
-            // becomes the graph's node); if that fails too, an eager call
-            // leaves the layer unusable, and a captured one has ended its
-            // capture (no graph is made): its error names the first cause.
-            let pdl = self.sh.pdl.load(Ordering::Relaxed);
-            if let Err(e1) = attempt(pdl) {
-                if let Err(e2) = attempt(false) {
-                    if capturing {
-                        return Err(Error::new(e1.status, format!("{} (retried as a plain launch: {})", e1.message, e2.message)));
-                    }
-                    let text = format!(
-                        "layer {}: a swap-in's copy kernel could not be launched after its residency update \
-                         ({}; retried: {}), so some slots are mapped to chunks whose bytes were never copied; \
-                         destroy the context and create it again",
-                        self.plan.index, e1.message, e2.message
-                    );
-                    self.broken = Some(text.clone());
-                    return Err(Error::device(text));
+            // If it cannot be launched at all, an eager call leaves the layer
+            // unusable, and a captured one returns the error (the capture
+            // must be discarded): its error names the first cause.
+            let what = format!("layer {}", self.plan.index);
+            // SAFETY: parameters match kvswap_gather(LayerDev, u32).
+            if let Err((e1, e2)) = unsafe { self.sh.launch_gather(&k.gather, (grid, 1), s, &mut params, &what) } {
+                if capturing {
+                    return Err(Error::new(e1.status, format!("{} (retried as a plain launch: {})", e1.message, e2.message)));
                 }
-                log::warn!("kvswap: layer {}: gather launch failed ({}); retried as a plain launch", self.plan.index, e1.message);
-                if pdl {
-                    // Refused as a dependent launch, accepted as a plain one:
-                    // launch plainly from now on (no retry, no log per call).
-                    self.sh.pdl.store(false, Ordering::Relaxed);
-                    log::warn!("kvswap: programmatic dependent launch of the gather turned off for this context");
-                }
+                let text = format!(
+                    "layer {}: a swap-in's copy kernel could not be launched after its residency update \
+                     ({}; retried: {}), so some slots are mapped to chunks whose bytes were never copied; \
+                     destroy the context and create it again",
+                    self.plan.index, e1.message, e2.message
+                );
+                self.broken = Some(text.clone());
+                return Err(Error::device(text));
             }
         }
         if self.validate && count > 0 {
@@ -980,18 +987,26 @@ impl CudaLayer {
     /// index buffer and `src_ids` are device memory of their length.
     /// Returns the stream and its capture id.
     fn checked_swap_in(&self, indices: u64, window_len: u32, count: u32, src_ids: u64, stream: StreamHandle) -> Result<(CUstream, Option<u64>)> {
-        self.check_usable()?;
+        self.check_usable()?; // first: an unusable layer says so whatever else is wrong
         let (s, capture) = self.stream(stream)?;
         if self.strict && capture.is_some() {
             return Err(Error::invalid(
                 "KVSWAP_SYNC=1 waits for the device and cannot be captured in a CUDA graph; use KVSWAP_SYNC=0",
             ));
         }
+        self.check_buffers(indices, window_len, count, src_ids)?;
+        Ok((s, capture))
+    }
+
+    /// The layer is usable, and the index buffer and `src_ids` (when not 0)
+    /// are device memory of this device, of their length.
+    fn check_buffers(&self, indices: u64, window_len: u32, count: u32, src_ids: u64) -> Result<()> {
+        self.check_usable()?;
         self.check_range(indices, 4 * (window_len as u64 + count as u64), "indices")?;
         if src_ids != 0 {
             self.check_range(src_ids, 4 * count as u64, "topk")?;
         }
-        Ok((s, capture))
+        Ok(())
     }
 
     /// Refuses work on a layer whose slots no longer match their chunks.
