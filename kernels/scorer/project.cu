@@ -12,7 +12,12 @@ struct ProjSeq {
 };
 
 #define FM_MAX_BATCH 64
-#define FM_PROJ_ROWS 16    // warps per block (each owning RPW weight rows: 1, or FM_PROJ_RPW8 in b8)
+#define FM_PROJ_ROWS 16    // warps per b8 block (each owning FM_PROJ_RPW8 weight rows)
+// Warps per b1 block (one weight row each). Small blocks: the SMs run out of
+// rows together, so fewer idle while the last blocks finish and the scoring
+// kernel's blocks (a whole SM each) land sooner. H200, bf16 weights, 262,144
+// chunks, full: 16 warps 85.3 us, 8 84.6, 4 84.2, 2 84.1 (NOTES s30).
+#define FM_PROJ_ROWS1 4
 
 struct ProjBatch {
     u32 n;
@@ -20,14 +25,26 @@ struct ProjBatch {
     u16 id[FM_MAX_BATCH];  // each sequence's index in the caller's batch (error records)
 };
 
+// Weights are read once per call: 16-byte loads that do not allocate in L1,
+// which keeps L1 for the hidden slice every warp of the block re-reads (H200,
+// bf16 weights, 262,144 chunks, full scope: 85.9 -> 85.0 us with bf16 keys,
+// 86.1 -> 83.8 with fp8 keys; NOTES s30).
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
 template <typename T> __device__ __forceinline__ void load8(const T* p, float* out);
 template <> __device__ __forceinline__ void load8<float>(const float* p, float* out) {
-    const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
+    const uint4 ua = ld_stream16(p), ub = ld_stream16(p + 4);
+    const float4 a = make_float4(__uint_as_float(ua.x), __uint_as_float(ua.y), __uint_as_float(ua.z), __uint_as_float(ua.w));
+    const float4 b = make_float4(__uint_as_float(ub.x), __uint_as_float(ub.y), __uint_as_float(ub.z), __uint_as_float(ub.w));
     out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
     out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
 }
 template <> __device__ __forceinline__ void load8<u16>(const u16* p, float* out) {  // bf16
-    const uint4 v = *(const uint4*)p;
+    const uint4 v = ld_stream16(p);
     const u32 w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -37,7 +54,7 @@ template <> __device__ __forceinline__ void load8<u16>(const u16* p, float* out)
 }
 struct F16 { u16 v; };
 template <> __device__ __forceinline__ void load8<F16>(const F16* p, float* out) {
-    const uint4 v = *(const uint4*)p;
+    const uint4 v = ld_stream16(p);
     const u32 w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -103,10 +120,11 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
     const u32 groups = MAXB == 1 ? 1u : (B.n + MAXB - 1) / MAXB;
     const u32 group = blockIdx.x % groups, rblock = blockIdx.x / groups;
     const u32 base = group * MAXB, nb = min(MAXB, B.n - base);
-    // Warp w of row block x owns rows (x * FM_PROJ_ROWS + w) * RPW + r, r < RPW
+    // Warp w of row block x owns rows (x * WARPS + w) * RPW + r, r < RPW
     // (RPW > 1: each staged hidden value read from shared memory serves
     // RPW rows).
-    const u32 row0 = (rblock * FM_PROJ_ROWS + warp) * RPW;
+    constexpr u32 WARPS = MAXB == 1 ? FM_PROJ_ROWS1 : FM_PROJ_ROWS;
+    const u32 row0 = (rblock * WARPS + warp) * RPW;
     const bool active = row0 < ROWS;
     const T* wrow = weights + ((u64)scorer * ROWS + (active ? row0 : 0)) * hidden;  // the single-sequence form's
     const T* wrows[RPW];
@@ -200,7 +218,9 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
 // through L1, no shared memory; FM_PROJ_GROUP: groups of a batch, staged
 // passes of 1024 elements, two rows per warp, two blocks per SM).
 // BOUNDS: the launch bounds' arguments (b1's without a minimum block count:
-// naming one, even 1, changes its register schedule).
+// naming one, even 1, changes its register schedule; b1 keeps the 512-thread
+// bound of that schedule, 32 registers, and is launched with FM_PROJ_ROWS1
+// warps).
 #define FM_PROJECT(NAME, T, MAXB, KT, RPW, BOUNDS)                                               \
     extern "C" __global__ void __launch_bounds__ BOUNDS                                           \
     NAME(const T* W, u32 hidden, ProjBatch B, u32* err) { project<T, MAXB, KT, RPW>(W, hidden, B, err); }

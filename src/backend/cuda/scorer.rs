@@ -56,8 +56,9 @@ const PROJECT_KT: u32 = 1024;
 /// Dynamic shared memory of fm_project_*_b1 (none: it reads the hidden state
 /// through L1) and fm_project_*_b8 (PROJECT_GROUP x PROJECT_KT floats).
 const PROJECT_SMEM: [u32; 2] = [0, PROJECT_GROUP * PROJECT_KT * 4];
-/// Warps per projection block (`FM_PROJ_ROWS`), each owning PROJECT_RPW rows.
-const PROJECT_ROWS: u32 = 16;
+/// Warps per block of fm_project_*_b1 and _b8 (`FM_PROJ_ROWS1`,
+/// `FM_PROJ_ROWS`), each owning PROJECT_RPW rows.
+const PROJECT_WARPS: [u32; 2] = [4, 16];
 /// Weight rows per warp of fm_project_*_b1 and _b8 (`FM_PROJ_RPW8`).
 const PROJECT_RPW: [u32; 2] = [1, 2];
 const ERR_HIDDEN: u32 = 1;
@@ -680,10 +681,10 @@ impl CudaScorer {
                     let rows = (self.heads * self.head_dim + self.heads) as u32;
                     let (mut wptr, mut hid) = (self.weights.ptr, self.hidden as u32);
                     let mut params = kernel_params![wptr, hid, pb, err];
-                    let grid = (rows.div_ceil(PROJECT_ROWS * PROJECT_RPW[which]) * n_groups, self.n_scorers as u32);
+                    let grid = (rows.div_ceil(PROJECT_WARPS[which] * PROJECT_RPW[which]) * n_groups, self.n_scorers as u32);
                     // SAFETY: parameters match fm_project_*(const T*, u32, ProjBatch, u32*);
                     // hidden and q/w buffers were checked / sized above.
-                    unsafe { kernel.launch_2d(grid, 32 * PROJECT_ROWS, PROJECT_SMEM[which], s, &mut params)? };
+                    unsafe { kernel.launch_2d(grid, 32 * PROJECT_WARPS[which], PROJECT_SMEM[which], s, &mut params)? };
                 }
                 let mut sb = ScoreBatch {
                     n_seqs: b as u32,
@@ -1054,7 +1055,8 @@ mod tests {
         assert_eq!(define("FM_ORDER_CANDS") * define("FM_ORDER_SLICES"), ORDER_THREADS as u64);
         assert_eq!(define("FM_ORDER_BLOCKS"), (ORDER_MAX / ORDER_CANDS) as u64);
         assert_eq!(define("FM_RANK_MAX"), TOPK_MAX as u64);
-        assert_eq!(define("FM_PROJ_ROWS"), PROJECT_ROWS as u64);
+        assert_eq!(define("FM_PROJ_ROWS1"), PROJECT_WARPS[0] as u64);
+        assert_eq!(define("FM_PROJ_ROWS"), PROJECT_WARPS[1] as u64);
         assert_eq!(define("FM_PROJ_RPW8"), PROJECT_RPW[1] as u64);
         assert_eq!(define("FM_PROJ_GROUP"), PROJECT_GROUP as u64);
         assert_eq!(define("FM_PROJ_KT"), PROJECT_KT as u64);
