@@ -6,11 +6,21 @@
 mod common;
 
 use common::{scaled, Rng};
-use kvswap::backend::cuda::driver::{self, Device, DeviceBuffer, Graph, OwnedStream};
+use kvswap::backend::cuda::driver::{self, CtxGuard, Device, DeviceBuffer, Graph, OwnedStream};
 use kvswap::{BackendChoice, Config, Context, KvswapLayerSpec};
 
 fn spec(cap: u32, chunk: u32) -> KvswapLayerSpec {
     KvswapLayerSpec { compressed_cap: cap as u64, chunk_bytes: chunk as u64, staging: std::ptr::null_mut(), staging_stride: 0 }
+}
+
+/// Device 0 bound to this thread and N streams on it. Bind the result as
+/// `let (dev, _g, [s]) = gpu0();`: locals drop in reverse order, so the
+/// streams are destroyed before the context is unbound and released.
+fn gpu0<const N: usize>() -> (Device, CtxGuard, [OwnedStream; N]) {
+    let dev = Device::open(0).unwrap();
+    let g = dev.bind().unwrap();
+    let streams = std::array::from_fn(|_| OwnedStream::new().unwrap());
+    (dev, g, streams)
 }
 
 fn config(backend: BackendChoice, slots: u32, sync: bool) -> Config {
@@ -131,9 +141,7 @@ fn graph_replay_21_layers_matches_cpu() {
     let specs: Vec<_> = (0..layers).map(|_| spec(cap, chunk as u32)).collect();
     // Every chunk of every layer stored on both.
     let (cpu, gpu) = twins(&mut rng, &specs, slots, false, |_| cap);
-    let dev = Device::open(0).unwrap();
-    let _g = dev.bind().unwrap();
-    let stream = OwnedStream::new().unwrap();
+    let (_dev, _g, [stream]) = gpu0();
     let s = stream.0;
     let n_idx = (window + slots) as usize;
     // Per layer: an index buffer (captured) and a source chunk (captured).
@@ -240,9 +248,7 @@ fn swap_reporting(gpu: &Context, sel: &[i32], sync: bool) -> kvswap::Result<Vec<
 /// (slot, byte offset, new value) each.
 fn corrupt_staged(gpu: &Context, bytes: &[(u32, usize, u8)]) {
     let view = gpu.staging(0).unwrap();
-    let dev = Device::open(0).unwrap();
-    let _g = dev.bind().unwrap();
-    let s = OwnedStream::new().unwrap();
+    let (_dev, _g, [s]) = gpu0();
     for &(slot, at, v) in bytes {
         let b = [v];
         unsafe { driver::copy_htod_async(view.ptr + slot as u64 * view.stride + at as u64, b.as_ptr(), 1, s.0).unwrap() };
@@ -399,9 +405,7 @@ fn gather_launch_failure_is_retried_then_breaks_the_layer() {
     // layer stays refused.
     let gpu = Context::new(config(BackendChoice::Cuda, 16, false), &specs[..1]).unwrap();
     gpu.store_rows(0, &ids, &rows).unwrap();
-    let dev = Device::open(0).unwrap();
-    let _g = dev.bind().unwrap();
-    let stream = OwnedStream::new().unwrap();
+    let (_dev, _g, [stream]) = gpu0();
     let idx = DeviceBuffer::alloc(16, "idx").unwrap();
     let upload = |sel: &[i32; 4]| unsafe {
         driver::copy_htod_async(idx.ptr, sel.as_ptr() as *const u8, 16, stream.0).unwrap();
@@ -579,9 +583,7 @@ fn eager_and_captured_calls_on_two_streams_are_ordered() {
     let ids: Vec<i32> = (0..cap as i32).collect();
     cpu.store_rows(0, &ids, &rows).unwrap();
     gpu.store_rows(0, &ids, &rows).unwrap();
-    let dev = Device::open(0).unwrap();
-    let _g = dev.bind().unwrap();
-    let (a, b) = (OwnedStream::new().unwrap(), OwnedStream::new().unwrap());
+    let (_dev, _g, [a, b]) = gpu0();
     let gate = Gate::new();
     let n_idx = (window + slots) as usize;
     // Index buffers (host selection, device copy) and new chunks (host, device).
@@ -663,9 +665,7 @@ fn eager_and_captured_calls_on_two_streams_are_ordered() {
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn freed_range_is_refused_after_passing_once() {
     let gpu = Context::new(config(BackendChoice::Cuda, 16, true), &[spec(64, 4096)]).unwrap();
-    let dev = Device::open(0).unwrap();
-    let _g = dev.bind().unwrap();
-    let s = OwnedStream::new().unwrap();
+    let (_dev, _g, [s]) = gpu0();
     let src = DeviceBuffer::alloc(4 << 20, "src").unwrap();
     let ptr = src.ptr;
     unsafe { gpu.store_raw(0, &[1, 2], ptr, 4096, s.0 as u64) }.unwrap();
@@ -693,9 +693,7 @@ fn swap_in_layers_matches_cpu() {
     let mut rng = Rng::fresh("gpu swap layers");
     let (layers, cap, chunk, slots, window) = (21usize, 2048u32, 256usize, 128u32, 16u32);
     let specs: Vec<_> = (0..layers).map(|_| spec(cap, chunk as u32)).collect();
-    let dev = Device::open(0).unwrap();
-    let _g = dev.bind().unwrap();
-    let stream = OwnedStream::new().unwrap();
+    let (_dev, _g, [stream]) = gpu0();
     let s = stream.0;
     let n_idx = (window + slots) as usize;
     let idx: Vec<DeviceBuffer> = (0..layers).map(|_| DeviceBuffer::alloc(4 * n_idx, "idx").unwrap()).collect();
@@ -834,9 +832,7 @@ fn swap_in_layers_around_captures_and_failures() {
     use kvswap::KvswapSwapIn;
     let (layers, cap, chunk, slots) = (8usize, 256u32, 128usize, 16u32);
     let specs: Vec<_> = (0..layers).map(|_| spec(cap, chunk as u32)).collect();
-    let dev = Device::open(0).unwrap();
-    let _g = dev.bind().unwrap();
-    let (s1, s2) = (OwnedStream::new().unwrap(), OwnedStream::new().unwrap());
+    let (_dev, _g, [s1, s2]) = gpu0();
     let idx: Vec<DeviceBuffer> = (0..layers).map(|_| DeviceBuffer::alloc(4 * slots as usize, "idx").unwrap()).collect();
     let topk = DeviceBuffer::alloc(4 * slots as usize, "topk").unwrap();
     let sel: Vec<i32> = (0..slots as i32).map(|i| 3 * i + 1).collect();
@@ -937,9 +933,7 @@ fn swap_in_layers_mixed_layers_match_cpu() {
     let chunk = |l: usize| if l % 2 == 0 { 256usize } else { 100 };
     let specs: Vec<_> = (0..layers).map(|l| spec(cap(l), chunk(l) as u32)).collect();
     let (cpu, gpu) = twins(&mut rng, &specs, slots, false, |l| cap(l) - 3); // the last 3 never stored
-    let dev = Device::open(0).unwrap();
-    let _g = dev.bind().unwrap();
-    let stream = OwnedStream::new().unwrap();
+    let (_dev, _g, [stream]) = gpu0();
     let s = stream.0;
     let n_idx = (window + slots) as usize;
     let idx: Vec<DeviceBuffer> = (0..layers).map(|_| DeviceBuffer::alloc(4 * n_idx, "idx").unwrap()).collect();
