@@ -14,7 +14,7 @@ fn spec(cap: u32, chunk: u32) -> KvswapLayerSpec {
 }
 
 /// Device 0 bound to this thread and N streams on it. Bind the result as
-/// `let (dev, _g, [s]) = gpu0();`: locals drop in reverse order, so the
+/// `let (_dev, _g, [s]) = gpu0();`: locals drop in reverse order, so the
 /// streams are destroyed before the context is unbound and released.
 fn gpu0<const N: usize>() -> (Device, CtxGuard, [OwnedStream; N]) {
     let dev = Device::open(0).unwrap();
@@ -509,18 +509,18 @@ fn stream_of_another_context_is_wrong_device() {
 fn multi_gpu_pointers_of_another_device_are_refused() {
     let n = driver::device_count().unwrap();
     assert!(n >= 2, "this test needs 2 GPUs, found {n}");
-    let gpu0 = Context::new(config(BackendChoice::Cuda, 16, true), &[spec(64, 256)]).unwrap();
+    let ctx0 = Context::new(config(BackendChoice::Cuda, 16, true), &[spec(64, 256)]).unwrap();
     let dev1 = Device::open(1).unwrap();
     let _g = dev1.bind().unwrap();
     let src1 = DeviceBuffer::alloc(256, "src on device 1").unwrap();
     let s1 = OwnedStream::new().unwrap();
-    let e = unsafe { gpu0.store_raw(0, &[1], src1.ptr, 0, s1.0 as u64) }.unwrap_err();
+    let e = unsafe { ctx0.store_raw(0, &[1], src1.ptr, 0, s1.0 as u64) }.unwrap_err();
     assert_eq!(e.status, kvswap::KvswapStatus::WrongDevice, "{e}");
     drop(_g);
     let dev0 = Device::open(0).unwrap();
     let _g0 = dev0.bind().unwrap();
     let s0 = OwnedStream::new().unwrap();
-    let e = unsafe { gpu0.store_raw(0, &[1], src1.ptr, 0, s0.0 as u64) }.unwrap_err();
+    let e = unsafe { ctx0.store_raw(0, &[1], src1.ptr, 0, s0.0 as u64) }.unwrap_err();
     assert_eq!(e.status, kvswap::KvswapStatus::WrongDevice, "pointer of device 1: {e}");
     assert!(e.message.contains("device 1"), "{e}");
 }

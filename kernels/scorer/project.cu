@@ -18,6 +18,7 @@ struct ProjSeq {
 // kernel's blocks (a whole SM each) land sooner. H200, bf16 weights, 262,144
 // chunks, full: 16 warps 85.3 us, 8 84.6, 4 84.2, 2 84.1 (NOTES s30).
 #define FM_PROJ_ROWS1 4
+static_assert(FM_PROJ_ROWS1 <= FM_PROJ_ROWS, "b1 keeps the launch bound of FM_PROJ_ROWS warps");
 
 struct ProjBatch {
     u32 n;

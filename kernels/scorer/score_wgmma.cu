@@ -285,7 +285,8 @@ __device__ __forceinline__ void wg_file_score(float ens, bool finite, bool in, u
     const u32 k = sort_key(ens);
     if ((lane & 3u) == 0 && in) {  // 8 lanes: a plain shared atomic beats match_any
         // Evict-last: fm_select reads every sort key right after this
-        // kernel (H200, full bf16 at 262,144 chunks: 84.2 -> 83.7 us, NOTES s30).
+        // kernel (H200, full bf16 at 262,144 chunks: 84.2 -> 83.7 us, NOTES
+        // s30), and reads them evict-first, which ends the priority.
         u64 policy;
         asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
         asm volatile("st.global.L2::cache_hint.u32 [%0], %1, %2;" ::"l"(S.skey + chunk), "r"(k), "l"(policy) : "memory");

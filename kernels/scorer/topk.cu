@@ -305,11 +305,17 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
     const u32 n = S.n;
     const u32 want = min(B.k, n);
     const u32 lo = blockIdx.x * (FM_SEL_THREADS * FM_SEL_ITEMS);
+    // The sort keys' last read: the scoring kernel stored them evict-last
+    // (for this kernel); reading them evict-first hands those lines back, so
+    // they do not outstay the call in L2. (volatile: after the wait above.)
+    u64 last_use;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(last_use));
     u32 skeys[FM_SEL_ITEMS];
 #pragma unroll
     for (u32 j = 0; j < FM_SEL_ITEMS; ++j) {  // in flight while the threshold is found
         const u32 c = lo + j * FM_SEL_THREADS + threadIdx.x;
-        skeys[j] = c < n ? S.skey[c] : 0u;
+        skeys[j] = 0u;
+        if (c < n) asm volatile("ld.global.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(skeys[j]) : "l"(S.skey + c), "l"(last_use) : "memory");
     }
     u32 n_sure, n_tie;
     const u32 b1 = threshold_bin(S.hist, want, &n_sure, &n_tie);
