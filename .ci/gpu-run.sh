@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the GPU benchmark from .gpu/ (see .ci/gpu-build.sh)
 # on a machine with an NVIDIA GPU. Logs and JSON go to $OUT (or ./gpu-out).
-#   what=tests|multi|sanitize|bench|fm|all (default all), scorer|ffi|variants|baseline
+#   what=tests|multi|sanitize|bench|fm|all (default all), scorer|ffi|variants|defines|baseline
 #   (kernel development), or a profiling mode:
 #   profile|sass|ncu-detail|pipes (see README.md)
 set -uo pipefail
@@ -62,6 +62,44 @@ kw = max([4] + [len(k[1]) for k in rows])  # the keys column: dtypes, or score-d
 print(f"scope  {'keys':{kw}s} chunks   " + "  ".join(f"{n:>22s}" for n in names))
 for key, v in sorted(rows.items()):
     print(f"{key[0]:6s} {key[1]:{kw}s} {key[2]:7d}  " + "  ".join(f"{' / '.join(f'{x:.1f}' for x in v.get(n, [])):>22s}" for n in names))
+PY
+fi
+if [[ $what == defines ]]; then
+  # Experiment defines of the scorer source (KVSWAP_FM_DEFINES) side by side
+  # in one build: FM_DEFINE_SETS="name=-DA=1,-DB=2 other=-DC=1" (a set's
+  # options joined by commas; "base=" for none), each set's scorer tests
+  # first (VARIANT_TESTS, empty for none), then the quick scorer benchmark,
+  # sets round-robin, ROUNDS rounds (default 3), then a table.
+  VARIANT_TESTS=${VARIANT_TESTS-cuda_scorer_matches cuda_batch_equals_single_calls}
+  read -r -a sets <<< "${FM_DEFINE_SETS:?FM_DEFINE_SETS=\"name=-DX=1,... name2=...\"}"
+  rm -f "$OUT"/defines-*.json
+  with_set() { local d=${1#*=}; shift; KVSWAP_FM_DEFINES="${d//,/ }" "$@"; }
+  if [[ -n $VARIANT_TESTS ]]; then
+    for set in "${sets[@]}"; do step "defines-${set%%=*}-test" with_set "$set" $T/scorer_gpu --ignored --test-threads=1 $VARIANT_TESTS; done
+  fi
+  for round in $(seq 1 "${ROUNDS:-3}"); do
+    for set in "${sets[@]}"; do
+      step "defines-${set%%=*}-bench$round" with_set "$set" .gpu/kvswap bench --backend cuda --scorer --quick --json "$OUT/defines-${set%%=*}-$round.json"
+    done
+  done
+  python3 - "$OUT" "${sets[@]%%=*}" <<'PY'
+import glob, json, os, sys
+out, names = sys.argv[1], sys.argv[2:]
+rows = {}
+for name in names:
+    for f in sorted(glob.glob(os.path.join(out, f"defines-{name}-*.json"))):
+        j = json.load(open(f))
+        for r in j.get("rows", []):
+            rows.setdefault(f'{r["scope"]} {r["keys"]} {r["chunks"]}', {}).setdefault(name, []).append(r["kvswap_us"])
+        for r in j.get("spread", []):
+            rows.setdefault(f'scores {r["scores"]}', {}).setdefault(name, []).append(r["kvswap_us"])
+        for r in j.get("batch", []):
+            rows.setdefault(f'batch B={r["seqs"]} per seq', {}).setdefault(name, []).append(r["per_seq_us"])
+print("us, one call per graph, rounds side by side")
+for key, v in rows.items():
+    print(key)
+    for name in names:
+        print(f"    {name:16s} " + " / ".join(f"{x:.1f}" for x in v.get(name, [])))
 PY
 fi
 if [[ $what == baseline ]]; then
