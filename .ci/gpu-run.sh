@@ -17,6 +17,33 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 T=.gpu/tests
 NGPU=$(nvidia-smi -L | wc -l)
 SKIP=(); [ "$NGPU" -ge 2 ] || SKIP=(--skip multi_gpu)
+# The quick scorer benchmarks' JSON files $OUT/PREFIX-NAME-ROUND.json side by
+# side: a row per (scope, keys, chunks), a column per NAME, the rounds of a
+# cell joined by " / " (us: one call per graph; batch rows per sequence).
+fm_table() {
+  python3 - "$OUT" "$1" <<'PY'
+import glob, json, os, re, sys
+out, prefix = sys.argv[1], sys.argv[2]
+rows = {}
+for f in sorted(glob.glob(os.path.join(out, f"{prefix}-*-*.json"))):
+    stem = os.path.basename(f)[len(prefix) + 1:-5]
+    if not re.fullmatch(r".+-[0-9]+", stem):
+        continue
+    name, rnd = stem.rsplit("-", 1)
+    j = json.load(open(f))
+    for r in j.get("rows", []):
+        rows.setdefault((r["scope"], r["keys"], r["chunks"]), {}).setdefault(name, []).append(r["kvswap_us"])
+    for r in j.get("spread", []):  # score distributions (score scope, bf16)
+        rows.setdefault(("scores", r["scores"], r["chunks"]), {}).setdefault(name, []).append(r["kvswap_us"])
+    for r in j.get("batch", []):  # batched form: us per sequence
+        rows.setdefault(("batch", f"B={r['seqs']} per seq", r["chunks_per_seq"]), {}).setdefault(name, []).append(r["per_seq_us"])
+names = sorted({n for v in rows.values() for n in v})
+kw = max([4] + [len(k[1]) for k in rows])  # the keys column: dtypes, or score-distribution names
+print(f"scope  {'keys':{kw}s} chunks   " + "  ".join(f"{n:>22s}" for n in names))
+for key, v in sorted(rows.items()):
+    print(f"{key[0]:6s} {key[1]:{kw}s} {key[2]:7d}  " + "  ".join(f"{' / '.join(f'{x:.1f}' for x in v.get(n, [])):>22s}" for n in names))
+PY
+}
 if [[ $what == scorer ]]; then
   step scorer-gpu     $T/scorer_gpu --ignored --test-threads=1
   step scorer-gpu-mma env KVSWAP_FM_KERNEL=mma $T/scorer_gpu --ignored --test-threads=1
@@ -45,24 +72,7 @@ if [[ $what == variants ]]; then
       step "variant-$n-bench$round" with_source "$v" .gpu/kvswap bench --backend cuda --scorer --quick --json "$OUT/variant-$n-$round.json"
     done
   done
-  python3 - "$OUT" <<'PY'
-import glob, json, os, sys
-rows = {}
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "variant-*-[12].json"))):
-    name, rnd = os.path.basename(f)[8:-5].rsplit("-", 1)
-    j = json.load(open(f))
-    for r in j.get("rows", []):
-        rows.setdefault((r["scope"], r["keys"], r["chunks"]), {}).setdefault(name, []).append(r["kvswap_us"])
-    for r in j.get("spread", []):  # score distributions (score scope, bf16)
-        rows.setdefault(("scores", r["scores"], r["chunks"]), {}).setdefault(name, []).append(r["kvswap_us"])
-    for r in j.get("batch", []):  # batched form: us per sequence
-        rows.setdefault(("batch", f"B={r['seqs']} per seq", r["chunks_per_seq"]), {}).setdefault(name, []).append(r["per_seq_us"])
-names = sorted({n for v in rows.values() for n in v})
-kw = max([4] + [len(k[1]) for k in rows])  # the keys column: dtypes, or score-distribution names
-print(f"scope  {'keys':{kw}s} chunks   " + "  ".join(f"{n:>22s}" for n in names))
-for key, v in sorted(rows.items()):
-    print(f"{key[0]:6s} {key[1]:{kw}s} {key[2]:7d}  " + "  ".join(f"{' / '.join(f'{x:.1f}' for x in v.get(n, [])):>22s}" for n in names))
-PY
+  fm_table variant
 fi
 if [[ $what == defines ]]; then
   # Experiment defines of the scorer source (KVSWAP_FM_DEFINES) side by side
@@ -82,25 +92,7 @@ if [[ $what == defines ]]; then
       step "defines-${set%%=*}-bench$round" with_set "$set" .gpu/kvswap bench --backend cuda --scorer --quick --json "$OUT/defines-${set%%=*}-$round.json"
     done
   done
-  python3 - "$OUT" "${sets[@]%%=*}" <<'PY'
-import glob, json, os, sys
-out, names = sys.argv[1], sys.argv[2:]
-rows = {}
-for name in names:
-    for f in sorted(glob.glob(os.path.join(out, f"defines-{name}-*.json"))):
-        j = json.load(open(f))
-        for r in j.get("rows", []):
-            rows.setdefault(f'{r["scope"]} {r["keys"]} {r["chunks"]}', {}).setdefault(name, []).append(r["kvswap_us"])
-        for r in j.get("spread", []):
-            rows.setdefault(f'scores {r["scores"]}', {}).setdefault(name, []).append(r["kvswap_us"])
-        for r in j.get("batch", []):
-            rows.setdefault(f'batch B={r["seqs"]} per seq', {}).setdefault(name, []).append(r["per_seq_us"])
-print("us, one call per graph, rounds side by side")
-for key, v in rows.items():
-    print(key)
-    for name in names:
-        print(f"    {name:16s} " + " / ".join(f"{x:.1f}" for x in v.get(name, [])))
-PY
+  fm_table defines
 fi
 if [[ $what == baseline ]]; then
   # The scorer benchmark of this build and of .gpu/baseline/kvswap

@@ -23,6 +23,11 @@ fn gpu0<const N: usize>() -> (Device, CtxGuard, [OwnedStream; N]) {
     (dev, g, streams)
 }
 
+/// One device buffer of `n` i32 indices per layer (the swap-ins' index buffers).
+fn index_buffers(layers: usize, n: usize) -> Vec<DeviceBuffer> {
+    (0..layers).map(|_| DeviceBuffer::alloc(4 * n, "idx").unwrap()).collect()
+}
+
 fn config(backend: BackendChoice, slots: u32, sync: bool) -> Config {
     Config { enable: true, gpu_chunks: slots, index_topk: slots, backend, sync, ..Config::default() }
 }
@@ -145,7 +150,7 @@ fn graph_replay_21_layers_matches_cpu() {
     let s = stream.0;
     let n_idx = (window + slots) as usize;
     // Per layer: an index buffer (captured) and a source chunk (captured).
-    let idx: Vec<DeviceBuffer> = (0..layers).map(|_| DeviceBuffer::alloc(4 * n_idx, "idx").unwrap()).collect();
+    let idx = index_buffers(layers, n_idx);
     let src: Vec<DeviceBuffer> = (0..layers).map(|_| DeviceBuffer::alloc(chunk, "src").unwrap()).collect();
     let new_id = |l: usize| (cap - 1 - l as u32) as i32;
     // Capture one step.
@@ -696,7 +701,7 @@ fn swap_in_layers_matches_cpu() {
     let (_dev, _g, [stream]) = gpu0();
     let s = stream.0;
     let n_idx = (window + slots) as usize;
-    let idx: Vec<DeviceBuffer> = (0..layers).map(|_| DeviceBuffer::alloc(4 * n_idx, "idx").unwrap()).collect();
+    let idx = index_buffers(layers, n_idx);
     let topk = DeviceBuffer::alloc(4 * slots as usize, "topk").unwrap();
     let read = |l: usize| {
         let mut got = vec![0i32; n_idx];
@@ -833,7 +838,7 @@ fn swap_in_layers_around_captures_and_failures() {
     let (layers, cap, chunk, slots) = (8usize, 256u32, 128usize, 16u32);
     let specs: Vec<_> = (0..layers).map(|_| spec(cap, chunk as u32)).collect();
     let (_dev, _g, [s1, s2]) = gpu0();
-    let idx: Vec<DeviceBuffer> = (0..layers).map(|_| DeviceBuffer::alloc(4 * slots as usize, "idx").unwrap()).collect();
+    let idx = index_buffers(layers, slots as usize);
     let topk = DeviceBuffer::alloc(4 * slots as usize, "topk").unwrap();
     let sel: Vec<i32> = (0..slots as i32).map(|i| 3 * i + 1).collect();
     let reqs = |ls: std::ops::Range<usize>| -> Vec<KvswapSwapIn> {
@@ -936,7 +941,7 @@ fn swap_in_layers_mixed_layers_match_cpu() {
     let (_dev, _g, [stream]) = gpu0();
     let s = stream.0;
     let n_idx = (window + slots) as usize;
-    let idx: Vec<DeviceBuffer> = (0..layers).map(|_| DeviceBuffer::alloc(4 * n_idx, "idx").unwrap()).collect();
+    let idx = index_buffers(layers, n_idx);
     let topk = DeviceBuffer::alloc(4 * slots as usize, "topk").unwrap();
     for step in 0..common::scaled(60) {
         let mut order: Vec<usize> = (0..layers).collect();
