@@ -19,6 +19,12 @@ struct ProjSeq {
 // chunks, full: 16 warps 85.3 us, 8 84.6, 4 84.2, 2 84.1 (NOTES s30).
 #define FM_PROJ_ROWS1 4
 static_assert(FM_PROJ_ROWS1 <= FM_PROJ_ROWS, "b1 keeps the launch bound of FM_PROJ_ROWS warps");
+// Weight bytes each lane of the b1 form loads before it sums them: two
+// 16-byte loads of 16-bit weights, one pair of f32 ones (see project()). The
+// host does not depend on it: a tuning knob for KVSWAP_FM_DEFINES.
+#ifndef FM_B1_BYTES
+#define FM_B1_BYTES 32
+#endif
 
 struct ProjBatch {
     u32 n;
@@ -36,17 +42,24 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
     return v;
 }
 
-template <typename T> __device__ __forceinline__ void load8(const T* p, float* out);
-template <> __device__ __forceinline__ void load8<float>(const float* p, float* out) {
-    const uint4 ua = ld_stream16(p), ub = ld_stream16(p + 4);
-    const float4 a = make_float4(__uint_as_float(ua.x), __uint_as_float(ua.y), __uint_as_float(ua.z), __uint_as_float(ua.w));
-    const float4 b = make_float4(__uint_as_float(ub.x), __uint_as_float(ub.y), __uint_as_float(ub.z), __uint_as_float(ub.w));
-    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
-    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+// Eight weights of a row as their raw 16-byte parts (two for f32, one for the
+// 16-bit types), then converted to f32 by unpack8: the single-sequence form
+// issues several rows' loads before converting any (see project()).
+template <typename T> struct Raw8 { uint4 v[sizeof(T) / 2]; };
+template <typename T> __device__ __forceinline__ Raw8<T> ld_raw8(const T* p) {
+    Raw8<T> r;
+#pragma unroll
+    for (u32 i = 0; i < sizeof(T) / 2; ++i) r.v[i] = ld_stream16((const u8*)p + 16 * i);
+    return r;
 }
-template <> __device__ __forceinline__ void load8<u16>(const u16* p, float* out) {  // bf16
-    const uint4 v = ld_stream16(p);
-    const u32 w[4] = {v.x, v.y, v.z, v.w};
+template <typename T> __device__ __forceinline__ void unpack8(const Raw8<T>& r, float* out);
+template <> __device__ __forceinline__ void unpack8<float>(const Raw8<float>& r, float* out) {
+    const u32 w[8] = {r.v[0].x, r.v[0].y, r.v[0].z, r.v[0].w, r.v[1].x, r.v[1].y, r.v[1].z, r.v[1].w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = __uint_as_float(w[i]);
+}
+template <> __device__ __forceinline__ void unpack8<u16>(const Raw8<u16>& r, float* out) {  // bf16
+    const u32 w[4] = {r.v[0].x, r.v[0].y, r.v[0].z, r.v[0].w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         out[2 * i] = __uint_as_float(w[i] << 16);
@@ -54,9 +67,8 @@ template <> __device__ __forceinline__ void load8<u16>(const u16* p, float* out)
     }
 }
 struct F16 { u16 v; };
-template <> __device__ __forceinline__ void load8<F16>(const F16* p, float* out) {
-    const uint4 v = ld_stream16(p);
-    const u32 w[4] = {v.x, v.y, v.z, v.w};
+template <> __device__ __forceinline__ void unpack8<F16>(const Raw8<F16>& r, float* out) {
+    const u32 w[4] = {r.v[0].x, r.v[0].y, r.v[0].z, r.v[0].w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         unsigned short lo = (unsigned short)(w[i] & 0xffff), hi = (unsigned short)(w[i] >> 16);
@@ -67,6 +79,7 @@ template <> __device__ __forceinline__ void load8<F16>(const F16* p, float* out)
         out[2 * i + 1] = b;
     }
 }
+template <typename T> __device__ __forceinline__ void load8(const T* p, float* out) { unpack8<T>(ld_raw8(p), out); }
 
 // w[0..8) . (x0, x1), in a fixed order (batch and single calls agree bit for bit).
 __device__ __forceinline__ float dot8(const float* w, float4 x0, float4 x1) {
@@ -146,12 +159,32 @@ __device__ void project(const T* __restrict__ weights, u32 hidden, const ProjBat
             for (u32 k = lane; k < hidden; k += 32)
                 if (!isfinite(h0[k])) record_error3(err, FM_ERR_HIDDEN, scorer, k, B.id[base]);
         }
+        // Each lane issues the loads of its next NB steps (k, k + 256, ..)
+        // before summing them, in the same order as the batched form:
+        // bit-identical to it and to one step at a time. H200, bf16 weights,
+        // 262,144 chunks, full scope, us (three rounds, NOTES s31): one step
+        // at a time 84.2 / 84.1 / 84.2, two 82.3 / 82.6 / 82.0, four 88.4 /
+        // 88.1 / 88.6 (40 registers instead of 32: 12 blocks of 4 warps per
+        // SM instead of 16), eight 93.3 / 93.0 / 93.3. f32 weights load 32
+        // bytes per step, so they keep one step at a time, unrolled by four
+        // as before (32 registers; two steps would take 40).
         if (active) {
-#pragma unroll 4
-            for (u32 k = lane * 8; k < hidden; k += 256) {
-                float wv[8];
-                load8<T>(wrow + k, wv);
-                acc[0][0] += dot8(wv, __ldg((const float4*)(h0 + k)), __ldg((const float4*)(h0 + k + 4)));
+            constexpr u32 NB = FM_B1_BYTES / sizeof(Raw8<T>);
+            static_assert(NB >= 1, "FM_B1_BYTES holds at least one step");
+#pragma unroll (NB == 1 ? 4 : 1)
+            for (u32 k0 = lane * 8; k0 < hidden; k0 += 256 * NB) {
+                Raw8<T> raw[NB];
+#pragma unroll
+                for (u32 i = 0; i < NB; ++i) raw[i] = k0 + 256 * i < hidden ? ld_raw8(wrow + k0 + 256 * i) : Raw8<T>{};
+#pragma unroll
+                for (u32 i = 0; i < NB; ++i) {
+                    const u32 k = k0 + 256 * i;
+                    if (k < hidden) {
+                        float wv[8];
+                        unpack8<T>(raw[i], wv);
+                        acc[0][0] += dot8(wv, __ldg((const float4*)(h0 + k)), __ldg((const float4*)(h0 + k + 4)));
+                    }
+                }
             }
         }
     } else {
