@@ -19,9 +19,12 @@ struct ProjSeq {
 // chunks, full: 16 warps 85.3 us, 8 84.6, 4 84.2, 2 84.1 (NOTES s30).
 #define FM_PROJ_ROWS1 4
 static_assert(FM_PROJ_ROWS1 <= FM_PROJ_ROWS, "b1 keeps the launch bound of FM_PROJ_ROWS warps");
-// Weight bytes each lane of the b1 form loads before it sums them: two
-// 16-byte loads of 16-bit weights, one pair of f32 ones (see project()). The
-// host does not depend on it: a tuning knob for KVSWAP_FM_DEFINES.
+// Weight bytes each lane of the b1 form loads before it sums them (see
+// project()): steps of 8 weights, FM_B1_BYTES / (8 x the weight size) of
+// them, rounded down: two steps of 16-bit weights (two 16-byte loads), one
+// of f32 ones (two 16-byte loads). At least 32, since the f32 form is always
+// built. The host does not depend on it: a tuning knob for KVSWAP_FM_DEFINES
+// (H200: 48, three steps of bf16, measured slower than 32; NOTES s31).
 #ifndef FM_B1_BYTES
 #define FM_B1_BYTES 32
 #endif
@@ -44,8 +47,12 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
 
 // Eight weights of a row as their raw 16-byte parts (two for f32, one for the
 // 16-bit types), then converted to f32 by unpack8: the single-sequence form
-// issues several rows' loads before converting any (see project()).
-template <typename T> struct Raw8 { uint4 v[sizeof(T) / 2]; };
+// issues the loads of several steps of its row before converting any (see
+// project()).
+template <typename T> struct Raw8 {
+    static_assert(sizeof(T) == 2 || sizeof(T) == 4, "weights are f32, bf16 or f16");
+    uint4 v[sizeof(T) / 2];
+};
 template <typename T> __device__ __forceinline__ Raw8<T> ld_raw8(const T* p) {
     Raw8<T> r;
 #pragma unroll
