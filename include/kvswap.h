@@ -8,6 +8,10 @@
  * changes nothing; errors found on the device afterwards (non-finite scorer
  * inputs, never-stored or out-of-range ids with sync = 0, KVSWAP_VALIDATE
  * mismatches) are documented with each function.
+ *
+ * C99 or later (// comments, <stdint.h>), or C++ (extern "C" inside). Which
+ * calls may run on several threads at once: see the handles KvswapContext and
+ * FmScorer, and each function.
  */
 
 #ifndef KVSWAP_H
@@ -110,6 +114,9 @@ typedef struct KvswapConfig {
   // k of the global top-k. `KVSWAP_INDEX_TOPK`, default 512.
   uint32_t index_topk;
   // Sliding-window tokens read besides the selected chunks. `KVSWAP_WINDOW`, default 128.
+  // `kvswap_create` checks that `window` + a layer's slots stay below 2^30
+  // (physical ids fit an int32) and logs it; each swap-in's `window_len` is
+  // that call's own and is not compared with it.
   uint32_t window;
   // `KVSWAP_ENSEMBLE_MAX` or `KVSWAP_ENSEMBLE_MEAN`. `KVSWAP_FM_ENSEMBLE`, default max.
   KvswapEnsemble fm_ensemble;
@@ -292,12 +299,14 @@ typedef struct FmSeq {
   int32_t *out_indices;
 } FmSeq;
 
-// CUDA when a driver and a device are present, else the CPU backend: a
-// CUDA backend that cannot start (no driver or GPU, a driver older than
-// CUDA 12.3, no NVRTC) falls back, with one log line; a `device` the driver
-// does not have while it has others is `KVSWAP_STATUS_NO_DEVICE`, and errors
-// after the backend started (memory, limits) are returned. The CPU backend
-// reads every pointer as host memory: an engine passing device pointers sets
+// CUDA when the driver reports a device, else the CPU backend (no driver,
+// or no device: one info log line says so). Where the driver reports
+// devices there is no fall back: a CUDA backend that cannot start there is
+// an error (a `device` the driver does not have, or no NVRTC:
+// `KVSWAP_STATUS_NO_DEVICE`; a driver older than CUDA 12.3, or of an older
+// CUDA major version than NVRTC: `KVSWAP_STATUS_UNSUPPORTED`), and so are
+// errors after the backend started (memory, limits). The CPU backend reads
+// every pointer as host memory: an engine passing device pointers sets
 // `KVSWAP_BACKEND_CUDA`, or checks `kvswap_context_info` after creating.
 #define KVSWAP_BACKEND_AUTO 0
 
@@ -358,6 +367,9 @@ enum KvswapStatus kvswap_config_from_env(struct KvswapConfig *out);
 // layer's `gpu_chunks` is also bounded by the device (about 11,500 on
 // H100/H200, 8,200 on A100, 5,000 on sm_86/89): above it
 // `KVSWAP_STATUS_UNSUPPORTED`, naming the device's limit.
+// `config` and `layers` are read during the call only (they may be freed
+// when it returns); engine-owned staging buffers must stay valid until
+// `kvswap_destroy`.
 // Other errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `config`, `layers` or
 // `out`); `KVSWAP_STATUS_INVALID_ARGUMENT` (a misaligned pointer, a bad
 // config field or layer spec, each named); `KVSWAP_STATUS_OUT_OF_MEMORY`
@@ -678,7 +690,7 @@ enum KvswapStatus fm_scorer_set_ensemble(struct FmScorer *scorer, KvswapEnsemble
 // selection sorts scores into 4,096 bins (each a band 6-12% wide); when
 // the k-th score's bin and the bins above it hold more than 4,096 chunks
 // (scores crowded together), it narrows them in a slower path. On an H200
-// at 262,144 chunks and k = 512 that path added 43-49 us to the 36.9 us of
+// at 262,144 chunks and k = 512 that path added 32-41 us to the 36.8 us of
 // a scoring pass with q and w given (`kvswap bench --backend cuda
 // --scorer`, its "scores" table).
 //

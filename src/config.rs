@@ -12,12 +12,14 @@ pub const KVSWAP_PATH_MAX: usize = 4096;
 
 /// Which backend a context uses (`KVSWAP_BACKEND`).
 pub type KvswapBackendKind = u32;
-/// CUDA when a driver and a device are present, else the CPU backend: a
-/// CUDA backend that cannot start (no driver or GPU, a driver older than
-/// CUDA 12.3, no NVRTC) falls back, with one log line; a `device` the driver
-/// does not have while it has others is `KVSWAP_STATUS_NO_DEVICE`, and errors
-/// after the backend started (memory, limits) are returned. The CPU backend
-/// reads every pointer as host memory: an engine passing device pointers sets
+/// CUDA when the driver reports a device, else the CPU backend (no driver,
+/// or no device: one info log line says so). Where the driver reports
+/// devices there is no fall back: a CUDA backend that cannot start there is
+/// an error (a `device` the driver does not have, or no NVRTC:
+/// `KVSWAP_STATUS_NO_DEVICE`; a driver older than CUDA 12.3, or of an older
+/// CUDA major version than NVRTC: `KVSWAP_STATUS_UNSUPPORTED`), and so are
+/// errors after the backend started (memory, limits). The CPU backend reads
+/// every pointer as host memory: an engine passing device pointers sets
 /// `KVSWAP_BACKEND_CUDA`, or checks `kvswap_context_info` after creating.
 pub const KVSWAP_BACKEND_AUTO: KvswapBackendKind = 0;
 /// Host memory plays the device: the reference backend, runs everywhere.
@@ -54,6 +56,9 @@ pub struct KvswapConfig {
     /// k of the global top-k. `KVSWAP_INDEX_TOPK`, default 512.
     pub index_topk: u32,
     /// Sliding-window tokens read besides the selected chunks. `KVSWAP_WINDOW`, default 128.
+    /// `kvswap_create` checks that `window` + a layer's slots stay below 2^30
+    /// (physical ids fit an int32) and logs it; each swap-in's `window_len` is
+    /// that call's own and is not compared with it.
     pub window: u32,
     /// `KVSWAP_ENSEMBLE_MAX` or `KVSWAP_ENSEMBLE_MEAN`. `KVSWAP_FM_ENSEMBLE`, default max.
     pub fm_ensemble: KvswapEnsemble,

@@ -312,3 +312,46 @@ fn cuda_run_without_driver_fails_cleanly() {
         assert!(text.contains("KVSWAP_TEST_BACKEND=tpu"), "{prog}: {text}");
     }
 }
+
+/// The README's C example ("The C API in a few lines") compiles as C11 with
+/// `-Wall -Wextra -Werror` inside a function that declares what it leaves
+/// to the engine, and links and loads with the README's link line: the
+/// documentation cannot drift from the header.
+#[test]
+fn readme_c_example_compiles_and_links() {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
+    let section = readme.split("## The C API in a few lines").nth(1).expect("README has the C API section");
+    let code = section.split("```c\n").nth(1).and_then(|s| s.split("```").next()).expect("a ```c block in the C API section");
+    let src = format!(
+        "#include <stdio.h>\n#include \"kvswap.h\"\n\
+         enum KvswapStatus example(int32_t chunk_id, const void *chunk_src, KvswapStream stream, const FmScorer *scorer,\n\
+         \x20                        const float *hidden, FmKeys keys, size_t n_chunks);\n\
+         enum KvswapStatus example(int32_t chunk_id, const void *chunk_src, KvswapStream stream, const FmScorer *scorer,\n\
+         \x20                        const float *hidden, FmKeys keys, size_t n_chunks) {{\n{code}    return st;\n}}\n\
+         int main(int argc, char **argv) {{\n\
+         \x20   (void)argv;\n\
+         \x20   if (argc > 99) return (int)example(0, NULL, NULL, NULL, NULL, (FmKeys){{0}}, 0);\n\
+         \x20   printf(\"%s\\n\", kvswap_version());\n\
+         \x20   return 0;\n}}\n"
+    );
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("readme-c");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("app.c"), &src).unwrap();
+    let lib = lib_dir();
+    // The README's line: cc -std=c11 -Iinclude app.c -L<lib> -lkvswap -Wl,-rpath,<lib> -o app
+    let out = Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-I"])
+        .arg(repo_root().join("include"))
+        .arg(dir.join("app.c"))
+        .arg(format!("-L{}", lib.display()))
+        .arg("-lkvswap")
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .arg("-o")
+        .arg(dir.join("app"))
+        .output()
+        .expect("run cc");
+    assert!(out.status.success(), "the README's C example does not compile:\n{src}\n{}", String::from_utf8_lossy(&out.stderr));
+    let run = Command::new(dir.join("app")).env_remove("LD_LIBRARY_PATH").output().expect("run the example");
+    assert!(run.status.success(), "the linked example does not run: {}", String::from_utf8_lossy(&run.stderr));
+    assert!(String::from_utf8_lossy(&run.stdout).trim().starts_with(env!("CARGO_PKG_VERSION")), "kvswap_version(): {:?}", run.stdout);
+}

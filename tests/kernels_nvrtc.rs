@@ -6,6 +6,14 @@
 
 use kvswap::backend::cuda::nvrtc;
 
+/// A note the reader must see even when the test passes: written straight to
+/// the stderr handle, which the test harness does not capture (eprintln!
+/// output of a passing test is hidden).
+fn loud_note(text: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "\nNOTE ({}): {text}", env!("CARGO_CRATE_NAME"));
+}
+
 #[test]
 fn every_kernel_compiles() {
     if !nvrtc::available() {
@@ -13,7 +21,7 @@ fn every_kernel_compiles() {
             std::env::var_os("KVSWAP_REQUIRE_NVRTC").is_none(),
             "KVSWAP_REQUIRE_NVRTC is set but libnvrtc.so.13 cannot be loaded (LD_LIBRARY_PATH?)"
         );
-        eprintln!("NOTE: NVRTC not found; kernel compilation NOT checked (set KVSWAP_REQUIRE_NVRTC=1 to fail instead)");
+        loud_note("NVRTC (libnvrtc.so.13) not found: kernel compilation NOT checked; set KVSWAP_REQUIRE_NVRTC=1 to fail instead");
         return;
     }
     let (major, minor) = nvrtc::version().unwrap();
@@ -49,7 +57,7 @@ fn every_kernel_compiles() {
 fn compile_errors_carry_the_log() {
     if !nvrtc::available() {
         assert!(std::env::var_os("KVSWAP_REQUIRE_NVRTC").is_none(), "KVSWAP_REQUIRE_NVRTC is set but libnvrtc.so.13 cannot be loaded");
-        eprintln!("NOTE: NVRTC not found; compile-error reporting NOT checked");
+        loud_note("NVRTC (libnvrtc.so.13) not found: compile-error reporting NOT checked");
         return;
     }
     let e = nvrtc::compile("bad.cu", "extern \"C\" __global__ void k() { undefined_thing(); }", (9, 0)).unwrap_err();

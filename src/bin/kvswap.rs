@@ -77,7 +77,7 @@ struct Layers(Vec<LayerClass>);
 #[derive(Args)]
 struct PlanArgs {
     /// Context length in tokens: 8K, 256K, 1M or an integer (K = 1024, M = 1048576).
-    #[arg(long, default_value = "1M", value_parser = tokens_arg)]
+    #[arg(long, default_value = "1M", value_parser = tokens_arg, allow_hyphen_values = true)]
     context: u64,
     /// Model description (TOML), e.g. integrations/models/reference.toml; flags override it.
     #[arg(long, value_name = "FILE")]
@@ -131,7 +131,7 @@ impl From<BackendArg> for BackendChoice {
 #[derive(Args)]
 struct DemoArgs {
     /// Tokens of context before decode starts (K = 1024, M = 1048576).
-    #[arg(long, default_value = "256K", value_parser = tokens_arg)]
+    #[arg(long, default_value = "256K", value_parser = tokens_arg, allow_hyphen_values = true)]
     context: u64,
     /// Tokens per compressed chunk.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
@@ -236,6 +236,12 @@ fn cmd_bench(a: BenchArgs) -> Result<(), Failure> {
         log::set_max_level(log::LevelFilter::Warn);
     }
     let backend: BackendChoice = a.backend.into();
+    if let Some(path) = &a.json {
+        check_output_path("--json", path)?;
+    }
+    if backend == BackendChoice::Cpu && a.device != 0 {
+        return Err(Failure::Usage(format!("--device {} picks a CUDA device: it does not apply to --backend cpu", a.device)));
+    }
     #[cfg(feature = "cuda")]
     if a.scorer {
         if backend == BackendChoice::Cpu {
@@ -325,6 +331,19 @@ fn emit(text: &str) -> Result<(), Failure> {
     }
 }
 
+/// Refuses an output path whose folder does not exist (or that is a
+/// folder) before the work that would write it, rather than after.
+fn check_output_path(flag: &str, path: &Path) -> Result<(), Failure> {
+    if path.is_dir() {
+        return Err(Failure::Usage(format!("{flag} {}: is a directory; give a file path", path.display())));
+    }
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if !parent.is_dir() {
+        return Err(Failure::Usage(format!("{flag} {}: the folder {} does not exist", path.display(), parent.display())));
+    }
+    Ok(())
+}
+
 fn write_file(path: &Path, text: &str) -> Result<(), Failure> {
     std::fs::write(path, text).map_err(|e| Failure::Runtime(format!("cannot write {}: {e}", path.display())))
 }
@@ -370,11 +389,28 @@ fn plan_model(a: &PlanArgs) -> Result<Model, Failure> {
 fn cmd_plan(a: PlanArgs) -> Result<(), Failure> {
     let model = plan_model(&a)?;
     let p = plan::plan(&model, a.context)?;
+    // Pinned memory cannot be paged out: a host tier above this machine's
+    // memory is a plan for another machine (a note on stderr; stdout stays
+    // the plan).
+    if let Some(total) = host_memory_bytes().filter(|&t| p.pinned_bytes_total > t) {
+        eprintln!(
+            "note: the pinned host tier ({} GB) is more than this machine's memory ({} GB); pinned memory cannot be paged out",
+            fixed(p.pinned_bytes_total as f64 / 1e9, 1),
+            fixed(total as f64 / 1e9, 1)
+        );
+    }
     if a.json {
         emit(&to_json(&p)?)
     } else {
         emit(&plan::render(&p))
     }
+}
+
+/// This machine's memory (`MemTotal` of /proc/meminfo), where it can be read.
+fn host_memory_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib = info.lines().find_map(|l| l.strip_prefix("MemTotal:"))?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()?;
+    Some(kib * 1024)
 }
 
 // ------------------------------------------------------------ demo
@@ -434,6 +470,11 @@ fn advance(pb: &Option<ProgressBar>, pos: u64, step: u64, gpu_chunks: u32) {
 
 fn cmd_demo(a: DemoArgs) -> Result<(), Failure> {
     set_log_level(a.verbose);
+    for (flag, path) in [("--svg", &a.svg), ("--json", &a.json)] {
+        if let Some(path) = path {
+            check_output_path(flag, path)?;
+        }
+    }
     if a.sweep || !a.sweep_chunks.is_empty() {
         // The runs take their gpu_chunks from the list (the default list
         // without values below --topk), not from --gpu-chunks.
@@ -487,7 +528,7 @@ fn runtime_error(p: &DemoParams, e: kvswap::Error) -> Failure {
 
 fn render_setup(p: &DemoParams, r: &DemoReport) -> String {
     let new_chunks = (p.context + p.steps) / p.ratio as u64 - p.initial_chunks();
-    let mut s = format!("kvswap demo: simulated decode on the {} backend ({})\n", r.backend, r.backend_description);
+    let mut s = format!("kvswap demo: simulated decode, backend {}\n", r.backend_description);
     if let Some(note) = &r.note {
         s += &format!("  note: {note}\n");
     }

@@ -185,6 +185,9 @@ pub extern "C" fn kvswap_config_from_env(out: *mut KvswapConfig) -> KvswapStatus
 /// layer's `gpu_chunks` is also bounded by the device (about 11,500 on
 /// H100/H200, 8,200 on A100, 5,000 on sm_86/89): above it
 /// `KVSWAP_STATUS_UNSUPPORTED`, naming the device's limit.
+/// `config` and `layers` are read during the call only (they may be freed
+/// when it returns); engine-owned staging buffers must stay valid until
+/// `kvswap_destroy`.
 /// Other errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `config`, `layers` or
 /// `out`); `KVSWAP_STATUS_INVALID_ARGUMENT` (a misaligned pointer, a bad
 /// config field or layer spec, each named); `KVSWAP_STATUS_OUT_OF_MEMORY`
