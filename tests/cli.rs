@@ -99,6 +99,9 @@ fn bad_input_exits_2_naming_flag_and_value() {
         (&["plan", "--layers", "20-4"], &["--layers", "20-4"]),
         (&["plan", "--dtype", "int4"], &["--dtype", "int4"]),
         (&["plan", "--context", "0"], &["--context", "'0'"]),
+        (&["plan", "--context", "-5"], &["--context", "'-5'"]),
+        (&["bench", "--backend", "cpu", "--device", "5"], &["--device 5", "--backend cpu"]),
+        (&["bench", "--backend", "cpu", "--json", "/nonexistent-kvswap-dir/b.json"], &["--json", "does not exist"]),
         (&["plan", "--no-such-flag"], &["--no-such-flag"]),
         (&["demo", "--gpu-chunks", "256"], &["--gpu-chunks", "256", "--topk=512"]),
         (&["demo", "--locality", "1.5"], &["--locality", "1.5"]),
@@ -123,7 +126,7 @@ fn bad_input_exits_2_naming_flag_and_value() {
 fn demo_runs_and_reports_hit_rate_and_bytes() {
     let (code, out, err) = kvswap(&["demo", "--steps", "200", "--context", "64K", "--backend", "cpu"]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("cpu backend"), "{out}");
+    assert!(out.contains("backend cpu (host memory plays the device)"), "{out}");
     assert!(out.contains("65,536 tokens (64K) = 16,384 chunks per layer"), "{out}");
     let hit = number_after(&out, "hit rate:");
     assert!(hit > 50.0 && hit < 100.0, "hit rate {hit}%");
@@ -204,6 +207,10 @@ fn demo_limits_are_usage_errors_not_crashes() {
         (vec!["--window", "100000000"], "--window"),
         (vec!["--gpu-chunks", "1073741000", "--window", "1000"], "--gpu-chunks"),
         (vec!["--svg", "x.svg"], "--svg"),
+        // Output folders are checked before the run, not after it.
+        (vec!["--sweep-chunks", "512", "--svg", "/nonexistent-kvswap-dir/x.svg"], "does not exist"),
+        (vec!["--steps", "1", "--json", "/nonexistent-kvswap-dir/x.json"], "does not exist"),
+        (vec!["--steps", "1", "--json", "."], "is a directory"),
     ] {
         let mut all = vec!["demo", "--backend", "cpu"];
         all.extend(&args);
@@ -233,4 +240,17 @@ fn plan_and_fm_refuse_devices_and_overflowing_figures() {
     let (code, _, err) = kvswap(&["plan", "--indexer-bytes-per-token", "18446744073709551615"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--indexer-bytes-per-token"), "{err}");
+}
+
+#[test]
+fn plan_notes_a_pinned_tier_above_the_machines_memory() {
+    // 1000 ratio-4 layers at 8M tokens: a 4.3 TB host tier, above any CI
+    // machine's memory. The note goes to stderr; stdout stays the plan.
+    let (code, out, err) = kvswap(&["plan", "--context", "8M", "--layers", "1000x4"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("more than this machine's memory") && err.contains("4,295.0 GB"), "{err}");
+    assert!(out.contains("suggested KVSWAP_PINNED_MIB=4194304") && !out.contains("note:"), "{out}");
+    let (code, _, err) = kvswap(&["plan", "--context", "8K"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.contains("machine's memory"), "{err}");
 }
