@@ -42,7 +42,7 @@ __device__ __forceinline__ u32 e4m3x2_hi_to_f16x2(u32 four) {
 __device__ __forceinline__ float2 sh_weights(const float* sh_w, u32 lane, u32 j) { return *(const float2*)(sh_w + j * 8 + 2 * (lane & 3u)); }
 
 // One row, any scale: x = d * c (c normal) or (d * inv) * scale per
-// accumulator, then the ensemble as wg_row_score.
+// accumulator, then the ensemble as wg_row_score_scaled.
 // (`normal`: c = scale * 2^-e is a normal float; chosen per element, not by
 // a branch around the call: rows of one warp can differ, and head_sums'
 // full-warp shuffles must not sit in divergent branches.)

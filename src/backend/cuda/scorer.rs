@@ -410,6 +410,9 @@ pub struct CudaScorer {
     weights: DeviceBuffer,
     project: [Kernel; 2],
     score: Kernel,
+    /// fm_score_wg_bf16 (fm_score_wg with the key dtype fixed to bf16), with
+    /// wgmma.
+    score_bf16: Option<Kernel>,
     /// fm_score_wg_fp8 (fp8 keys as f16 register operands), when the shape has it.
     score_fp8: Option<Kernel>,
     /// fm_select and fm_order.
@@ -529,6 +532,14 @@ impl CudaScorer {
             k.set_max_dynamic_smem(score_smem as i32)?;
             (k, score_smem, 64u32, 32 * score_warps(s, h))
         };
+        // bf16 keys: fm_score_wg's body with the dtype a constant.
+        let score_bf16 = if wgmma {
+            let k = f("fm_score_wg_bf16".into())?;
+            k.set_max_dynamic_smem(wg_smem as i32)?;
+            Some(k)
+        } else {
+            None
+        };
         // fm_score_wg_fp8 exists for head_dim 64 and 128; its static shared
         // memory adds the head weights and a reduction scratch
         // (KVSWAP_FM_KERNEL=wgmma-convert keeps fp8 keys on fm_score_wg).
@@ -559,6 +570,7 @@ impl CudaScorer {
             weights,
             project,
             score,
+            score_bf16,
             score_fp8,
             select,
             score_smem,
@@ -729,8 +741,8 @@ impl CudaScorer {
                 let per_seq = tiles.min((resident / b as u32).max(1));
                 let mut params = kernel_params![sb, err];
                 // SAFETY: parameters match fm_score(ScoreBatch, u32*); keys checked above.
-                let kernel = match (&self.score_fp8, dtype) {
-                    (Some(k), KeyDtype::Fp8E4m3) => k,
+                let kernel = match (dtype, &self.score_bf16, &self.score_fp8) {
+                    (KeyDtype::Bf16, Some(k), _) | (KeyDtype::Fp8E4m3, _, Some(k)) => k,
                     _ => &self.score,
                 };
                 unsafe { self.launch.dependent(kernel, (per_seq, b as u32), self.score_threads, self.score_smem, s, &mut params)? };
