@@ -9,8 +9,9 @@
 //   helpers.cuh         shape and dtype constants, conversions, histogram helpers
 //   project.cu          fm_project_*
 //   score_mma.cu        fm_score (mma.sync, any sm_80+), the ScoreBatch layout
-//   score_wgmma.cu      fm_score_wg (Hopper wgmma; bf16 and f32 keys, fp8 by
-//                       conversion), the wgmma and pipeline helpers
+//   score_wgmma.cu      fm_score_wg_bf16 (Hopper wgmma, bf16 keys) and
+//                       fm_score_wg (f32 keys, fp8 by conversion), the wgmma
+//                       and pipeline helpers
 //   score_wgmma_fp8.cu  fm_score_wg_fp8 (Hopper wgmma, fp8 keys as f16 registers)
 //   bounds.cu           fm_bounds_score
 //   topk.cu             fm_select, fm_order

@@ -343,9 +343,9 @@ __device__ __forceinline__ void wg_rows_score(const float* d, const float (*wv)[
         d, 0, [&](u32 j) { return make_float2(wv[j][0], wv[j][1]); }, [&](u32, float a) { return a; }, no_post, mean, ens, finite);
 }
 
-// One row (`half`) of fp8 keys converted to bf16 (KVSWAP_FM_KERNEL=
-// wgmma-convert): x = scale * (q . key), checked as wg_rows_score, and a
-// non-finite scale too.
+// One row (`half`) of fp8 keys converted to bf16 (fm_score_wg; see there):
+// x = scale * (q . key), checked as wg_rows_score, and a non-finite scale
+// too.
 __device__ __forceinline__ float wg_row_score_scaled(const float* d, u32 half, const float (*wv)[2], float scale, bool mean, bool& finite) {
     finite = isfinite(d[2 * half]) && isfinite(scale);
     float ens;
@@ -366,8 +366,10 @@ __device__ __forceinline__ float wg_row_score_scaled(const float* d, u32 half, c
 //
 // Two entry points: fm_score_wg_bf16 for bf16 keys (the dtype a constant:
 // none of the other dtypes' staging and branches) and fm_score_wg for f32
-// and converted fp8 keys (KVSWAP_FM_KERNEL=wgmma-convert). H200, 262,144
-// chunks, score bf16: 36.3 -> 35.0 us for the bf16 entry alone (NOTES s31).
+// and converted fp8 keys (KVSWAP_FM_KERNEL=wgmma-convert, or shapes without
+// fm_score_wg_fp8: head_dim other than 64 and 128, or too little shared
+// memory for its extras). H200, 262,144 chunks, score bf16: 36.3 -> 35.0
+// us for the bf16 entry alone (NOTES s31).
 #define FM_WG_ANY_DTYPE 0xFFFFFFFFu
 template <u32 DTYPE>
 __device__ __forceinline__ void score_wg(const ScoreBatch& B, u32* err) {
@@ -389,7 +391,7 @@ __device__ __forceinline__ void score_wg(const ScoreBatch& B, u32* err) {
     // it is warp-uniform, and the ring addresses, barrier ids and MMA
     // descriptors derived from it live in the uniform datapath (46 -> 17
     // instructions between the turn barrier and the first MMA; score bf16
-    // 36.4 -> 35.8 us, NOTES s31).
+    // 36.5 -> 35.8 us, NOTES s31).
     const u32 g = __shfl_sync(KVS_FULL_MASK, warp >> 2, 0);
     const u32 t0 = threadIdx.x & (WG_GROUP_THREADS - 1u);
     u8* ring = base + WG_Q_BYTES + g * group_bytes;
@@ -471,7 +473,7 @@ __device__ __forceinline__ void score_wg(const ScoreBatch& B, u32* err) {
         // Epilogue: this thread's rows are r and r + 8 of its warp's 16.
         // Unscaled keys (bf16, f32) score both rows in one pass: eight
         // independent sum chains and both rows' quad shuffles in flight
-        // together, the same operations per row (score bf16 36.4 -> 35.9 us,
+        // together, the same operations per row (score bf16 36.5 -> 35.9 us,
         // NOTES s31); converted fp8 keys scale per row.
         const u32 row0 = (warp & 3u) * 16 + (lane >> 2);
         if (dtype != FM_KEYS_FP8_E4M3) {

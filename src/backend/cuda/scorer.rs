@@ -532,11 +532,21 @@ impl CudaScorer {
             k.set_max_dynamic_smem(score_smem as i32)?;
             (k, score_smem, 64u32, 32 * score_warps(s, h))
         };
-        // bf16 keys: fm_score_wg's body with the dtype a constant.
+        // bf16 keys: fm_score_wg's body with the dtype a constant. A
+        // KVSWAP_FM_SOURCE from before it (a development baseline) has none:
+        // bf16 keys then take fm_score_wg, as they did there.
         let score_bf16 = if wgmma {
-            let k = f("fm_score_wg_bf16".into())?;
-            k.set_max_dynamic_smem(wg_smem as i32)?;
-            Some(k)
+            match f("fm_score_wg_bf16".into()) {
+                Ok(k) => {
+                    k.set_max_dynamic_smem(wg_smem as i32)?;
+                    Some(k)
+                }
+                Err(e) if std::env::var_os("KVSWAP_FM_SOURCE").is_some_and(|p| !p.is_empty()) => {
+                    log::warn!("kvswap: KVSWAP_FM_SOURCE has no fm_score_wg_bf16 ({}): bf16 keys use fm_score_wg", e.message);
+                    None
+                }
+                Err(e) => return Err(e),
+            }
         } else {
             None
         };
