@@ -228,7 +228,7 @@ typedef struct KvswapLayerStats {
 // What a context is running on, from `kvswap_context_info`.
 typedef struct KvswapContextInfo {
   // `KVSWAP_BACKEND_CPU` or `KVSWAP_BACKEND_CUDA` (never auto).
-  uint32_t backend;
+  KvswapBackendKind backend;
   // CUDA device ordinal, or -1 on the CPU backend.
   int32_t device;
   // Layers in the context.

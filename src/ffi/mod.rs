@@ -9,7 +9,7 @@
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use crate::backend::BackendKind;
-use crate::config::{Config, KvswapConfig, KVSWAP_BACKEND_CPU, KVSWAP_BACKEND_CUDA};
+use crate::config::{Config, KvswapBackendKind, KvswapConfig, KVSWAP_BACKEND_CPU, KVSWAP_BACKEND_CUDA};
 use crate::context::Context;
 use crate::error::{Error, KvswapStatus, Result};
 use crate::layer::{KvswapLayerSpec, KvswapLayerStats, KvswapSwapIn};
@@ -62,7 +62,7 @@ pub struct KvswapContext {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct KvswapContextInfo {
     /// `KVSWAP_BACKEND_CPU` or `KVSWAP_BACKEND_CUDA` (never auto).
-    pub backend: u32,
+    pub backend: KvswapBackendKind,
     /// CUDA device ordinal, or -1 on the CPU backend.
     pub device: i32,
     /// Layers in the context.
