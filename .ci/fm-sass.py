@@ -7,7 +7,7 @@ plus any -D options given), then prints per kernel its registers, spills and
 static SASS instruction count, or dumps one kernel's SASS.
 
   python3 .ci/fm-sass.py                      # table for the work tree
-  python3 .ci/fm-sass.py --rev main -DFM_X=1  # a revision, extra defines
+  python3 .ci/fm-sass.py --rev main -DFM_X=1  # a revision, extra NVRTC options
   python3 .ci/fm-sass.py --dump fm_score_wg_bf16 > /tmp/k.sass
 
 NVRTC: libnvrtc.so.13 from .ci/.nvrtc (installed by .ci/run) or the loader
@@ -83,8 +83,12 @@ def main():
     ap.add_argument("--rev", help="git revision (default: the work tree)")
     ap.add_argument("--dump", metavar="KERNEL", help="print this kernel's SASS instead of the table")
     ap.add_argument("--shape", default="3,64,128", help="scorers,heads,head_dim (default 3,64,128)")
-    ap.add_argument("defines", nargs="*", help="extra NVRTC options, e.g. -DFM_B1_BYTES=48")
-    a = ap.parse_args()
+    # Extra NVRTC options (e.g. -DFM_B1_BYTES=48) are the arguments argparse
+    # does not know: they start with "-", which it would take for options.
+    a, extra = ap.parse_known_args()
+    if bad := [o for o in extra if not o.startswith("-")]:
+        ap.error(f"unrecognized arguments: {' '.join(bad)} (NVRTC options start with -, e.g. -DFM_B1_BYTES=48)")
+    a.defines = extra
     s, h, d = (int(x) for x in a.shape.split(","))
     opts = [f"-DFM_SCORERS={s}", f"-DFM_HEADS={h}", f"-DFM_HEAD_DIM={d}", "-DFM_WGMMA", "--gpu-architecture=sm_90a",
             "--std=c++17", "--extra-device-vectorization", "-default-device", "--ptxas-options=-v"] + a.defines

@@ -9,9 +9,9 @@
  * inputs, never-stored or out-of-range ids with sync = 0, KVSWAP_VALIDATE
  * mismatches) are documented with each function.
  *
- * C99 or later (// comments, <stdint.h>), or C++ (extern "C" inside). Which
- * calls may run on several threads at once: see the handles KvswapContext and
- * FmScorer, and each function.
+ * C99 or later (// comments, <stdint.h>), or C++11 or later (extern "C"
+ * inside). Which calls may run on several threads at once: see the handles
+ * KvswapContext and FmScorer, and each function.
  */
 
 #ifndef KVSWAP_H

@@ -101,7 +101,8 @@ fn bad_input_exits_2_naming_flag_and_value() {
         (&["plan", "--context", "0"], &["--context", "'0'"]),
         (&["plan", "--context", "-5"], &["--context", "'-5'"]),
         (&["bench", "--backend", "cpu", "--device", "5"], &["--device 5", "--backend cpu"]),
-        (&["bench", "--backend", "cpu", "--json", "/nonexistent-kvswap-dir/b.json"], &["--json", "does not exist"]),
+        (&["bench", "--backend", "cpu", "--json", "/nonexistent-kvswap-dir/b.json"], &["--json", "is not a folder"]),
+        (&["demo", "--context", "--steps", "1"], &["a value is required", "--context"]),
         (&["plan", "--no-such-flag"], &["--no-such-flag"]),
         (&["demo", "--gpu-chunks", "256"], &["--gpu-chunks", "256", "--topk=512"]),
         (&["demo", "--locality", "1.5"], &["--locality", "1.5"]),
@@ -208,8 +209,9 @@ fn demo_limits_are_usage_errors_not_crashes() {
         (vec!["--gpu-chunks", "1073741000", "--window", "1000"], "--gpu-chunks"),
         (vec!["--svg", "x.svg"], "--svg"),
         // Output folders are checked before the run, not after it.
-        (vec!["--sweep-chunks", "512", "--svg", "/nonexistent-kvswap-dir/x.svg"], "does not exist"),
-        (vec!["--steps", "1", "--json", "/nonexistent-kvswap-dir/x.json"], "does not exist"),
+        (vec!["--sweep-chunks", "512", "--svg", "/nonexistent-kvswap-dir/x.svg"], "is not a folder"),
+        (vec!["--steps", "1", "--json", "/nonexistent-kvswap-dir/x.json"], "is not a folder"),
+        (vec!["--steps", "1", "--json", "Cargo.toml/x.json"], "is not a folder"),
         (vec!["--steps", "1", "--json", "."], "is a directory"),
     ] {
         let mut all = vec!["demo", "--backend", "cpu"];
@@ -244,12 +246,13 @@ fn plan_and_fm_refuse_devices_and_overflowing_figures() {
 
 #[test]
 fn plan_notes_a_pinned_tier_above_the_machines_memory() {
-    // 1000 ratio-4 layers at 8M tokens: a 4.3 TB host tier, above any CI
-    // machine's memory. The note goes to stderr; stdout stays the plan.
-    let (code, out, err) = kvswap(&["plan", "--context", "8M", "--layers", "1000x4"]);
+    // 1000 ratio-4 layers at 1G tokens: a 550 TB host tier, above any
+    // machine's memory. The note goes to stderr; stdout
+    // stays the plan.
+    let (code, out, err) = kvswap(&["plan", "--context", "1G", "--layers", "1000x4"]);
     assert_eq!(code, 0, "{err}");
-    assert!(err.contains("more than this machine's memory") && err.contains("4,295.0 GB"), "{err}");
-    assert!(out.contains("suggested KVSWAP_PINNED_MIB=4194304") && !out.contains("note:"), "{out}");
+    assert!(err.contains("more than this machine's memory") && err.contains("549,755.8 GB"), "{err}");
+    assert!(out.contains("suggested KVSWAP_PINNED_MIB=536870912") && !out.contains("note:"), "{out}");
     let (code, _, err) = kvswap(&["plan", "--context", "8K"]);
     assert_eq!(code, 0, "{err}");
     assert!(!err.contains("machine's memory"), "{err}");

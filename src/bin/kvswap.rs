@@ -77,7 +77,7 @@ struct Layers(Vec<LayerClass>);
 #[derive(Args)]
 struct PlanArgs {
     /// Context length in tokens: 8K, 256K, 1M or an integer (K = 1024, M = 1048576).
-    #[arg(long, default_value = "1M", value_parser = tokens_arg, allow_hyphen_values = true)]
+    #[arg(long, default_value = "1M", value_parser = tokens_arg, allow_negative_numbers = true)]
     context: u64,
     /// Model description (TOML), e.g. integrations/models/reference.toml; flags override it.
     #[arg(long, value_name = "FILE")]
@@ -131,7 +131,7 @@ impl From<BackendArg> for BackendChoice {
 #[derive(Args)]
 struct DemoArgs {
     /// Tokens of context before decode starts (K = 1024, M = 1048576).
-    #[arg(long, default_value = "256K", value_parser = tokens_arg, allow_hyphen_values = true)]
+    #[arg(long, default_value = "256K", value_parser = tokens_arg, allow_negative_numbers = true)]
     context: u64,
     /// Tokens per compressed chunk.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
@@ -331,17 +331,28 @@ fn emit(text: &str) -> Result<(), Failure> {
     }
 }
 
-/// Refuses an output path whose folder does not exist (or that is a
-/// folder) before the work that would write it, rather than after.
+/// Refuses an output path that cannot be written (no such folder, a folder
+/// itself, no permission) before the work that would write it, rather than
+/// after: an existing file is opened for appending (nothing truncated), a
+/// new one is created and removed again.
 fn check_output_path(flag: &str, path: &Path) -> Result<(), Failure> {
-    if path.is_dir() {
-        return Err(Failure::Usage(format!("{flag} {}: is a directory; give a file path", path.display())));
+    let refuse = |why: String| Err(Failure::Usage(format!("{flag} {}: {why}", path.display())));
+    if path.is_dir() || path.as_os_str().to_string_lossy().ends_with('/') {
+        return refuse("is a directory; give a file path".into());
     }
     let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     if !parent.is_dir() {
-        return Err(Failure::Usage(format!("{flag} {}: the folder {} does not exist", path.display(), parent.display())));
+        return refuse(format!("{} is not a folder", parent.display()));
     }
-    Ok(())
+    let opened = if path.exists() {
+        std::fs::OpenOptions::new().append(true).open(path).map(drop)
+    } else {
+        std::fs::OpenOptions::new().write(true).create_new(true).open(path).and_then(|f| {
+            drop(f);
+            std::fs::remove_file(path)
+        })
+    };
+    opened.or_else(|e| refuse(format!("cannot write it: {e}")))
 }
 
 fn write_file(path: &Path, text: &str) -> Result<(), Failure> {

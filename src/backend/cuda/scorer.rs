@@ -411,7 +411,8 @@ pub struct CudaScorer {
     project: [Kernel; 2],
     score: Kernel,
     /// fm_score_wg_bf16 (fm_score_wg with the key dtype fixed to bf16), with
-    /// wgmma.
+    /// wgmma; None without, or when a KVSWAP_FM_SOURCE lacks it (bf16 keys
+    /// then take `score`).
     score_bf16: Option<Kernel>,
     /// fm_score_wg_fp8 (fp8 keys as f16 register operands), when the shape has it.
     score_fp8: Option<Kernel>,
@@ -421,7 +422,8 @@ pub struct CudaScorer {
     /// Chunks per block tile and threads per block of the scoring kernel.
     score_tile: u32,
     score_threads: u32,
-    /// fm_score_wg (Hopper wgmma) rather than fm_score (mma.sync).
+    /// The Hopper wgmma kernels (fm_score_wg, fm_score_wg_bf16,
+    /// fm_score_wg_fp8) rather than fm_score (mma.sync).
     wgmma: bool,
     sync: bool,
     workspaces: Workspaces,
