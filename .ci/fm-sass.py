@@ -14,24 +14,18 @@ NVRTC: libnvrtc.so.13 from .ci/.nvrtc (installed by .ci/run) or the loader
 path. The SASS needs cuobjdump and nvdisasm; without them on PATH they are
 fetched once from PyPI (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm) into
 .ci/.sass-tools (ignored by git)."""
-import argparse, ctypes, glob, os, re, shutil, subprocess, sys, tempfile, zipfile
+import argparse, ctypes, glob, importlib.util, os, re, shutil, subprocess, sys, tempfile, zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS_PIN = "13.2.86"
 
 
 def scorer_source(rev):
-    def read(path):
-        if rev is None:
-            return open(os.path.join(ROOT, path)).read()
-        r = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{path}"], capture_output=True, text=True)
-        if r.returncode != 0:
-            sys.exit(f"fm-sass.py: git show {rev}:{path}: {r.stderr.strip()}")
-        return r.stdout
-    block = re.search(r"pub const SCORER_CU: &str = concat!\((.*?)\);", read("src/kernels.rs"), re.S)
-    if not block:
-        sys.exit("fm-sass.py: no SCORER_CU in src/kernels.rs")
-    return "\n".join(read(f) for f in re.findall(r'include_str!\("\.\./([^"]+)"\)', block.group(1)))
+    """SCORER_CU at `rev` (None: the work tree), as .ci/fm-source.py reads it."""
+    spec = importlib.util.spec_from_file_location("fm_source", os.path.join(ROOT, ".ci/fm-source.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.scorer_source(rev)
 
 
 def load_nvrtc():
