@@ -24,7 +24,7 @@ def main():
     read = f" (a streaming read reaches {kv['read_gbps']:.0f} GB/s)" if "read_gbps" in kv else ""
     print(f"# floor = bytes read once / {kv['copy_gbps']:.0f} GB/s measured device copy{read}; PyTorch has no fp8 path: "
           "fp8 rows are compared with PyTorch on bf16 keys")
-    print(f"{'scope':>6} {'keys':>5} {'chunks':>9} {'kvswap_us':>10} {'back2back_us':>13} {'torch_us':>9} {'vs_torch':>9} "
+    print(f"{'scope':>6} {'keys':>10} {'chunks':>9} {'kvswap_us':>10} {'back2back_us':>13} {'torch_us':>9} {'vs_torch':>9} "
           f"{'floor_us':>9} {'x_floor':>8} {'vs_10ms':>8}")
     for r in kv["rows"]:
         t = torch.get((r["scope"], r["chunks"]))
@@ -32,7 +32,7 @@ def main():
         ts = f"{t:.1f}" if t else "-"
         b2b = f"{r['back_to_back_us']:.1f}" if "back_to_back_us" in r else "-"
         v10 = f"{ORIGINAL_ENGINE_US / r['kvswap_us']:.0f}x" if r["scope"] == "full" else ""
-        print(f"{r['scope']:>6} {r['keys']:>5} {r['chunks']:>9} {r['kvswap_us']:>10.1f} {b2b:>13} {ts:>9} {vs:>9} "
+        print(f"{r['scope']:>6} {r['keys']:>10} {r['chunks']:>9} {r['kvswap_us']:>10.1f} {b2b:>13} {ts:>9} {vs:>9} "
               f"{r['floor_us']:>9.1f} {r['ratio_to_floor']:>7.2f}x {v10:>8}")
 
 

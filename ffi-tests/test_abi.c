@@ -2745,6 +2745,8 @@ static void check_info_at(int line, const FmScorer *s, uint32_t ensemble) {
                 info.n_scorers, info.hidden, info.n_heads, info.head_dim);
     CHECK_AT(line, info.ensemble == ensemble);
     CHECK_AT(line, info.device == (dm_is_cuda() ? 0 : -1));
+    CHECK_AT(line, info.query == KVSWAP_FM_QUERY_AUTO || info.query == KVSWAP_FM_QUERY_WIDE);
+    CHECK_AT(line, info.reserved == 0);
     /* bf16 weights: 2 bytes per element of every wq and ww. */
     uint64_t elems = (uint64_t)info.n_scorers * info.n_heads * (info.head_dim + 1) * info.hidden;
     CHECK_AT(line, info.weight_bytes > 0);
@@ -2880,6 +2882,23 @@ static void test_fm_scoring(const char *ckpt) {
     CHECK_MSG("fm_scorer_sync");
     group_done("fm_scorer_info (2 scorers, hidden 64, 16 heads x 64, max, bf16 weight_bytes), set_ensemble max/mean "
                "and a bad value (refused, unchanged), fm_scorer_sync, NULL handles");
+
+    /* The query: auto (the fp8 query for fp8 keys) by default, wide on
+     * request, anything else refused with the setting unchanged. This
+     * file's reference (fmref) scores with the wide query, so the rest of
+     * this test sets it; the fp8 query is checked against the Rust
+     * reference (tests/scorer.rs, tests/scorer_gpu.rs). */
+    CHECK_OK(fm_scorer_info(s, &info));
+    CHECK(info.query == KVSWAP_FM_QUERY_AUTO);
+    CHECK_ERR(fm_scorer_set_query(s, 2), KVSWAP_STATUS_INVALID_ARGUMENT, "query = 2");
+    CHECK_MSG("fm_scorer_set_query");
+    CHECK_ERR(fm_scorer_set_query(NULL, KVSWAP_FM_QUERY_WIDE), KVSWAP_STATUS_NULL_POINTER, "scorer");
+    CHECK_OK(fm_scorer_info(s, &info));
+    CHECK(info.query == KVSWAP_FM_QUERY_AUTO);
+    CHECK_OK(fm_scorer_set_query(s, KVSWAP_FM_QUERY_WIDE));
+    CHECK_OK(fm_scorer_info(s, &info));
+    CHECK(info.query == KVSWAP_FM_QUERY_WIDE);
+    group_done("fm_scorer_set_query: auto by default, wide on request, a bad value and NULL refused (unchanged)");
 
     /* Random inputs against the reference, every key type, both ensembles. */
     int32_t out[FM_MAX_TOPK], out2[FM_MAX_TOPK];

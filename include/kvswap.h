@@ -246,6 +246,10 @@ typedef struct KvswapContextInfo {
 // any thread that calls into kvswap.
 typedef void (*KvswapLogCallback)(uint32_t level, const char *line, void *user_data);
 
+// The query a scorer scores fp8 keys with (`KVSWAP_FM_QUERY`,
+// `fm_scorer_set_query`): one of the `KVSWAP_FM_QUERY_*` constants.
+typedef uint32_t KvswapFmQuery;
+
 // What a loaded scorer holds, from `fm_scorer_info`.
 typedef struct FmScorerInfo {
   // Scorer heads; the hidden input of a call holds n_scorers x hidden f32.
@@ -262,6 +266,10 @@ typedef struct FmScorerInfo {
   int32_t device;
   // Bytes of the weight tensors as stored in the checkpoint.
   uint64_t weight_bytes;
+  // `KVSWAP_FM_QUERY_AUTO` or `KVSWAP_FM_QUERY_WIDE`, as now in force.
+  KvswapFmQuery query;
+  // Zero.
+  uint32_t reserved;
 } FmScorerInfo;
 
 // The `dtype` of `FmKeys`: one of the `FM_KEYS_*` constants.
@@ -321,6 +329,14 @@ typedef struct FmSeq {
 
 // Ensemble score is the mean over scorers.
 #define KVSWAP_ENSEMBLE_MEAN 1
+
+// fp8 keys are scored with the fp8 query: each head's q rounded to bf16,
+// then to fp8 e4m3 under a power-of-two scale (as DeepSeek-V3.2's fp8
+// indexer scores); f32 and bf16 keys keep q wide. The default.
+#define KVSWAP_FM_QUERY_AUTO 0
+
+// q is never quantized to fp8: bf16 on CUDA, f64 on the CPU.
+#define KVSWAP_FM_QUERY_WIDE 1
 
 // Keys are f32.
 #define FM_KEYS_F32 0
@@ -583,7 +599,9 @@ enum KvswapStatus kvswap_set_log_level(uint32_t level);
 // a multiple of 8). On CUDA, `KVSWAP_SYNC` (default 1), read from the
 // environment here (the `fm_*` functions take no `KvswapConfig`; pass
 // `cfg.fm_ckpt` and `cfg.fm_ensemble` yourself), decides whether scoring
-// calls wait for their own errors (see `fm_scorer_sync`).
+// calls wait for their own errors (see `fm_scorer_sync`). On every
+// backend `KVSWAP_FM_QUERY` (`auto`, the default, or `wide`; see
+// `fm_scorer_set_query`), also read here, sets the query of fp8 keys.
 // Errors: `KVSWAP_STATUS_IO` for a missing or unreadable file;
 // `KVSWAP_STATUS_BAD_CHECKPOINT` for a wrong format tag, a missing or
 // malformed metadata field, a missing or mis-shaped tensor, an unsupported
@@ -592,7 +610,8 @@ enum KvswapStatus kvswap_set_log_level(uint32_t level);
 // before the data is read), the message naming the field or tensor, what
 // was expected and what was found; `KVSWAP_STATUS_NULL_POINTER` for a NULL
 // `path` or `out`; `KVSWAP_STATUS_INVALID_ARGUMENT` for an empty path,
-// `device < -1`, a misaligned `out` or (CUDA) a bad `KVSWAP_SYNC`;
+// `device < -1`, a misaligned `out`, a bad `KVSWAP_FM_QUERY` or (CUDA) a
+// bad `KVSWAP_SYNC`;
 // `KVSWAP_STATUS_NO_DEVICE` for `device >= 0` without that CUDA device or
 // driver (or in a build without CUDA); `KVSWAP_STATUS_UNSUPPORTED` for a
 // shape the CUDA kernels do not cover, a driver older than CUDA 12.3, or
@@ -648,6 +667,14 @@ enum KvswapStatus fm_scorer_sync(const struct FmScorer *scorer, KvswapStream str
 // `KVSWAP_STATUS_INVALID_ARGUMENT` (any other value).
 enum KvswapStatus fm_scorer_set_ensemble(struct FmScorer *scorer, KvswapEnsemble ensemble);
 
+// Sets the query fp8 keys are scored with: `KVSWAP_FM_QUERY_AUTO` (the
+// fp8 query, the default) or `KVSWAP_FM_QUERY_WIDE` (q never quantized to
+// fp8). The default is `KVSWAP_FM_QUERY` (`auto` or `wide`), read by
+// `fm_scorer_load`. Applies to calls that start after it returns.
+// Errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `scorer`),
+// `KVSWAP_STATUS_INVALID_ARGUMENT` (any other value).
+enum KvswapStatus fm_scorer_set_query(struct FmScorer *scorer, KvswapFmQuery query);
+
 // Scores `n_chunks` chunks and writes the top-k chunk ids to
 // `out_indices[0 .. k)`: descending score, ties to the lower id, padded
 // with -1 when `n_chunks < k`.
@@ -659,6 +686,12 @@ enum KvswapStatus fm_scorer_set_ensemble(struct FmScorer *scorer, KvswapEnsemble
 // scorer i: `q = Wq h_i` as `[n_heads][head_dim]`, `w = Ww h_i`,
 // `s_i(c) = sum over heads h of w[h] * relu(q[h] . key_c)`; the chunk score
 // is the max or mean of `s_i(c)` over the scorers (`fm_scorer_set_ensemble`).
+// fp8 keys are scored with the fp8 query by default (`fm_scorer_set_query`):
+// each head's q is rounded to bf16, then scaled by 2^-e (e the smallest
+// integer with max |q| <= 448 * 2^e) and rounded to fp8 e4m3, and stands
+// for `e4m3 * 2^e` (DeepSeek-V3.2's fp8 indexer scores so); on a Hopper
+// GPU the tensor cores then multiply fp8 by fp8 (half the tensor work of
+// the wide query; figures in README.md).
 //
 // Limits: `n_chunks` from 1 to FM_MAX_CHUNKS (4,194,304), `k` from 1 to
 // FM_MAX_TOPK (2048); 0 is KVSWAP_STATUS_INVALID_ARGUMENT and a value above

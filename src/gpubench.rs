@@ -530,7 +530,7 @@ pub fn render_multi(r: &MultiReport) -> String {
 // ------------------------------------------------------------------ scorer
 
 use crate::backend::cuda::scorer::CudaScorer;
-use crate::scorer::{write as fmwrite, Checkpoint, KeyDtype, KeysRef, Meta, ScorerBackend, SeqRef, WeightDtype};
+use crate::scorer::{write as fmwrite, Checkpoint, KeyDtype, KeysRef, Meta, ScoreMode, ScorerBackend, SeqRef, WeightDtype};
 
 /// One scorer configuration: kvswap's time beside its memory floor.
 #[derive(Clone, Debug, Serialize)]
@@ -783,7 +783,10 @@ pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
     let sizes: &[usize] = if quick { &[262_144] } else { &[16_384, 65_536, 262_144, 1_048_576] };
     let mut rows = Vec::new();
     for &n in sizes {
-        for dtype in [KeyDtype::Bf16, KeyDtype::Fp8E4m3] {
+        // fp8 keys with the default fp8 query, and with the wide (bf16) one
+        // (KVSWAP_FM_QUERY=wide).
+        for (dtype, fp8_query, name) in [(KeyDtype::Bf16, true, "bf16"), (KeyDtype::Fp8E4m3, true, "fp8"), (KeyDtype::Fp8E4m3, false, "fp8 wide q")] {
+            let mode = ScoreMode { ensemble: e, fp8_query };
             let (keys, scales) = bench.keys(dtype, n)?;
             let seq = SeqRef {
                 hidden: hidden.ptr,
@@ -797,9 +800,9 @@ pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
                     // SAFETY: device buffers of the documented sizes.
                     unsafe {
                         if scope == "score" {
-                            bench.scorer.score_with_qw(&[seq], &[(q.ptr, w.ptr)], k, e, s as u64)
+                            bench.scorer.score_with_qw(&[seq], &[(q.ptr, w.ptr)], k, mode, s as u64)
                         } else {
-                            bench.scorer.score_topk(&seq, k, e, s as u64)
+                            bench.scorer.score_topk(&seq, k, mode, s as u64)
                         }
                     }
                 };
@@ -810,7 +813,7 @@ pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
                 let flop = 2.0 * (sc * h * d) as f64 * n as f64;
                 rows.push(FmRow {
                     scope: scope.into(),
-                    keys: dtype.name().into(),
+                    keys: name.into(),
                     chunks: n,
                     k,
                     kvswap_us: us,
@@ -843,8 +846,8 @@ pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
             })
             .collect();
         // SAFETY: device buffers of the documented sizes.
-        let batch_us = bench.graph_us(5, || unsafe { bench.scorer.score_topk_batch(&seqs, k, e, s as u64) })?;
-        let single_us = bench.graph_us(5, || unsafe { bench.scorer.score_topk(&seqs[0], k, e, s as u64) })?;
+        let batch_us = bench.graph_us(5, || unsafe { bench.scorer.score_topk_batch(&seqs, k, e.into(), s as u64) })?;
+        let single_us = bench.graph_us(5, || unsafe { bench.scorer.score_topk(&seqs[0], k, e.into(), s as u64) })?;
         batch.push(FmBatchRow { seqs: bsz, chunks_per_seq: per, batch_us, per_seq_us: batch_us / bsz as f64, single_call_us: single_us });
     }
     // Score distributions (score scope, bf16 keys, 262,144 chunks): random
@@ -934,7 +937,7 @@ fn decode_step(bench: &FmBench, hidden0: &DeviceBuffer, chunks: usize, k: usize)
         n_chunks: chunks,
         out: topk.ptr,
     };
-    let score = |t: usize| -> Result<()> { unsafe { bench.scorer.score_topk(&seq(t), k, e, s as u64) } };
+    let score = |t: usize| -> Result<()> { unsafe { bench.scorer.score_topk(&seq(t), k, e.into(), s as u64) } };
     let copies = || -> Result<()> { idx.iter().try_for_each(|b| dtod(b.ptr + 4 * WINDOW as u64, topk.ptr, 4 * k, s)) };
     let swaps = || -> Result<()> {
         // SAFETY: index buffers of WINDOW + k ints.
@@ -1043,12 +1046,12 @@ pub fn render_fm(r: &FmReport) -> String {
         r.device, r.scorers, r.heads, r.head_dim, r.hidden, r.weight_bytes as f64 / 1e6, r.copy_gbps, r.read_gbps
     );
     s += &format!(
-        "{:>6} {:>5} {:>9} {:>5} {:>11} {:>13} {:>10} {:>9} {:>9}\n",
+        "{:>6} {:>10} {:>9} {:>5} {:>11} {:>13} {:>10} {:>9} {:>9}\n",
         "scope", "keys", "chunks", "k", "kvswap_us", "back2back_us", "floor_us", "x_floor", "TFLOP/s"
     );
     for w in &r.rows {
         s += &format!(
-            "{:>6} {:>5} {:>9} {:>5} {:>11.1} {:>13.1} {:>10.1} {:>8.2}x {:>9.0}\n",
+            "{:>6} {:>10} {:>9} {:>5} {:>11.1} {:>13.1} {:>10.1} {:>8.2}x {:>9.0}\n",
             w.scope, w.keys, w.chunks, w.k, w.kvswap_us, w.back_to_back_us, w.floor_us, w.ratio_to_floor, w.tflops
         );
     }

@@ -14,7 +14,7 @@ use half::bf16;
 use kvswap::ffi::*;
 use kvswap::scorer::dtype::fp8_e4m3_to_f32;
 use kvswap::scorer::keys::{FM_KEYS_BF16, FM_KEYS_F32, FM_KEYS_FP8_E4M3};
-use kvswap::scorer::{reference, Checkpoint, Keys};
+use kvswap::scorer::{reference, Checkpoint, Keys, ScoreMode, KVSWAP_FM_QUERY_AUTO, KVSWAP_FM_QUERY_WIDE};
 use kvswap::{Ensemble, KvswapStatus};
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
@@ -736,11 +736,23 @@ fn bf16_and_fp8_keys_match_exact_f32_keys() {
     for (i, v) in k8_as_f32.iter().enumerate() {
         assert_eq!(*v as f64, fp8_e4m3_to_f32(k8[i]) as f64 * scales[i / dim] as f64, "exact product");
     }
+    // The wide query: fp8 keys score as f32 keys of their values.
+    assert_eq!(fm_scorer_set_query(fm.0, KVSWAP_FM_QUERY_WIDE), KvswapStatus::Ok);
     let want = fm.topk(&hidden, &f32_keys(&k8_as_f32), n, 64).unwrap();
     assert_eq!(fm.topk(&hidden, &fp8_keys(&k8, &scales), n, 64).unwrap(), want);
-    let s_fp8 = reference::chunk_scores(&ckpt, Ensemble::Mean, &hidden, &Keys::fp8(&k8, &scales, dim).unwrap()).unwrap();
+    let wide = ScoreMode { ensemble: Ensemble::Mean, fp8_query: false };
+    let s_fp8 = reference::chunk_scores(&ckpt, wide, &hidden, &Keys::fp8(&k8, &scales, dim).unwrap()).unwrap();
     let s_ref = reference::chunk_scores(&ckpt, Ensemble::Mean, &hidden, &Keys::f32(&k8_as_f32, dim).unwrap()).unwrap();
     assert_eq!(s_fp8, s_ref);
+    // The fp8 query (the default): as f32 keys of their values scored with
+    // the quantized q, through the C ABI too.
+    assert_eq!(fm_scorer_set_query(fm.0, KVSWAP_FM_QUERY_AUTO), KvswapStatus::Ok);
+    let projs: Vec<_> = reference::project_batch(&ckpt, &[&hidden]).remove(0).iter().map(|p| reference::fp8_query(p, dim)).collect();
+    let s_q8 = reference::ensemble_scores(&projs, &Keys::f32(&k8_as_f32, dim).unwrap(), Ensemble::Mean).unwrap();
+    assert_eq!(reference::chunk_scores(&ckpt, Ensemble::Mean, &hidden, &Keys::fp8(&k8, &scales, dim).unwrap()).unwrap(), s_q8);
+    assert_ne!(s_q8, s_ref, "the fp8 query changes the scores");
+    let s_q8_max = reference::ensemble_scores(&projs, &Keys::f32(&k8_as_f32, dim).unwrap(), ckpt.meta().ensemble).unwrap();
+    assert_eq!(fm.topk(&hidden, &fp8_keys(&k8, &scales), n, 64).unwrap(), kvswap::scorer::topk::topk(&s_q8_max, 64));
 
     // Strided bf16 rows whose padding holds NaN: the padding is never read.
     let stride = dim + 8;

@@ -10,6 +10,17 @@
 //! 1-Lipschitz in the max norm, so the ensemble error is at most max_i tol_i.
 //! The GPU top-k must then equal the reference top-k except for chunks whose
 //! reference score lies within tol of the k-th reference score.
+//!
+//! fp8 keys with the fp8 query (the default): the reference rounds its f64
+//! q to bf16 and then to e4m3 (reference::fp8_query), the GPU its f32 q.
+//! Where the two q lie on either side of a rounding point the quantized
+//! values differ by a step, so each element gets an envelope [lo, hi] of
+//! every value it can take for an f32 q within beta = 2^-15 sum_j |W_j h_j|
+//! of the f64 one (8x the f32 GEMV's random-walk error sqrt(n) 2^-24 sum
+//! |W h| at hidden 4096; the worst-case n 2^-24 bound would let most
+//! elements move a step), every head exponent that range allows included,
+//! and the tolerance adds sum_h |w_ih| sum_d (hi - lo) |scale_c k_cd|. The
+//! fp8 products are exact, so 2u above is ample for the rest.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -20,7 +31,7 @@ use kvswap::backend::cuda::scorer::CudaScorer;
 use kvswap::scorer::ScorerBackend;
 use kvswap::config::Ensemble;
 use kvswap::scorer::reference::{self, Projection};
-use kvswap::scorer::{write, Checkpoint, KeyDtype, Keys, KeysRef, Meta, Scorer, SeqRef, WeightDtype};
+use kvswap::scorer::{write, Checkpoint, KeyDtype, Keys, KeysRef, Meta, Query, ScoreMode, Scorer, SeqRef, WeightDtype};
 use std::sync::Arc;
 
 const U: f64 = 1.0 / 256.0;
@@ -244,26 +255,78 @@ fn random_batch(
     batch
 }
 
-/// Reference scores and per-chunk tolerance (see the file comment).
+/// Reference scores and per-chunk tolerance (see the file comment), with
+/// the default query (the fp8 one for fp8 keys).
 fn reference_with_tolerance(ckpt: &Checkpoint, e: Ensemble, hidden: &[f32], keys: &HostKeys) -> (Vec<f64>, Vec<f64>) {
-    let projs: Vec<Projection> = reference::project_batch(ckpt, &[hidden]).pop().unwrap();
-    let k = keys.keys();
-    let scores = reference::ensemble_scores(&projs, &k, e).unwrap();
+    reference_with_tolerance_q(ckpt, e.into(), hidden, keys)
+}
+
+/// For each scorer, the step width (hi - lo) of every q element under the
+/// fp8 query: 0 where every f32 q within beta of the f64 one quantizes alike
+/// (see the file comment).
+fn fp8_query_envelope(ckpt: &Checkpoint, hidden: &[f32], projs: &[Projection]) -> Vec<Vec<f64>> {
+    let width = ckpt.meta().hidden as usize;
+    let dim = ckpt.meta().head_dim as usize;
+    let mut row = vec![0f64; width];
+    projs
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let h = &hidden[i * width..(i + 1) * width];
+            let wq = ckpt.wq(i);
+            let mut steps = Vec::with_capacity(p.q.len());
+            for (head, q) in p.q.chunks(dim).enumerate() {
+                let (mut blo, mut bhi) = (Vec::with_capacity(dim), Vec::with_capacity(dim));
+                let (mut amax_lo, mut amax_hi) = (0f64, 0f64);
+                for (d, &v) in q.iter().enumerate() {
+                    wq.row_into(head * dim + d, &mut row);
+                    let beta = 2f64.powi(-15) * row.iter().zip(h).map(|(a, b)| (a * *b as f64).abs()).sum::<f64>();
+                    let (lo, hi) = (reference::bf16_round(v - beta), reference::bf16_round(v + beta));
+                    amax_lo = amax_lo.max(if lo <= 0.0 && hi >= 0.0 { 0.0 } else { lo.abs().min(hi.abs()) });
+                    amax_hi = amax_hi.max(lo.abs().max(hi.abs()));
+                    blo.push(lo);
+                    bhi.push(hi);
+                }
+                let exps = reference::fp8_query_exponent(amax_lo)..=reference::fp8_query_exponent(amax_hi);
+                let deq = |x: f64, e: i32| reference::e4m3_round(x * 2f64.powi(-e)) * 2f64.powi(e);
+                for d in 0..dim {
+                    let lo = exps.clone().map(|e| deq(blo[d], e)).fold(f64::INFINITY, f64::min);
+                    let hi = exps.clone().map(|e| deq(bhi[d], e)).fold(f64::NEG_INFINITY, f64::max);
+                    steps.push(hi - lo);
+                }
+            }
+            steps
+        })
+        .collect()
+}
+
+/// Reference scores and per-chunk tolerance for `mode` (see the file comment).
+fn reference_with_tolerance_q(ckpt: &Checkpoint, mode: ScoreMode, hidden: &[f32], keys: &HostKeys) -> (Vec<f64>, Vec<f64>) {
+    let wide: Vec<Projection> = reference::project_batch(ckpt, &[hidden]).pop().unwrap();
     let dim = keys.dim;
+    let fp8q = keys.dtype == KeyDtype::Fp8E4m3 && mode.fp8_query;
+    let projs = reference::query_for_keys(&wide, dim, keys.dtype == KeyDtype::Fp8E4m3, mode.fp8_query);
+    let steps = if fp8q { fp8_query_envelope(ckpt, hidden, &wide) } else { vec![vec![0.0; wide[0].q.len()]; wide.len()] };
+    let k = keys.keys();
+    let scores = reference::ensemble_scores(&projs, &k, mode.ensemble).unwrap();
     let mut row = vec![0f64; dim];
     let mut tol = Vec::with_capacity(keys.n);
     for c in 0..keys.n {
         k.row_into(c, &mut row).unwrap();
         let t = projs
             .iter()
-            .map(|p| {
+            .zip(&steps)
+            .map(|(p, st)| {
                 p.w.iter()
                     .enumerate()
-                    .map(|(h, w)| w.abs() * p.q[h * dim..(h + 1) * dim].iter().zip(&row).map(|(q, x)| (q * x).abs()).sum::<f64>())
+                    .map(|(h, w)| {
+                        let r = h * dim..(h + 1) * dim;
+                        w.abs() * p.q[r.clone()].iter().zip(&st[r]).zip(&row).map(|((q, s), x)| (2.0 * U * q.abs() + s) * x.abs()).sum::<f64>()
+                    })
                     .sum::<f64>()
             })
             .fold(0.0, f64::max);
-        tol.push(2.0 * U * t + 1e-30);
+        tol.push(t + 1e-30);
     }
     (scores, tol)
 }
@@ -321,7 +384,8 @@ fn cuda_scorer_matches_reference_on_random_inputs() {
     for (shape, wdt) in shapes {
         let ckpt = checkpoint(&mut rng, shape.0, shape.1, shape.2, shape.3, wdt);
         let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
-        for dtype in [KeyDtype::Bf16, KeyDtype::Fp8E4m3, KeyDtype::F32] {
+        for (dtype, query) in [(KeyDtype::Bf16, Query::Auto), (KeyDtype::Fp8E4m3, Query::Auto), (KeyDtype::Fp8E4m3, Query::Wide), (KeyDtype::F32, Query::Auto)] {
+            scorer.set_query(query);
             for e in [Ensemble::Max, Ensemble::Mean] {
                 scorer.set_ensemble(e);
                 let n = 1000 + rng.below(scaled(20_000) as u64) as usize;
@@ -329,10 +393,11 @@ fn cuda_scorer_matches_reference_on_random_inputs() {
                 let hidden: Vec<f32> = (0..(shape.0 * shape.3) as usize).map(|_| gauss(&mut rng)).collect();
                 let keys = HostKeys::random(&mut rng, dtype, n, shape.2 as usize, 1.0);
                 let got = gpu_topk(&d, &scorer, &hidden, &keys, k).unwrap();
-                let (scores, tol) = reference_with_tolerance(&ckpt, e, &hidden, &keys);
-                check_topk(&got, &scores, &tol, k as usize, &format!("{shape:?} {wdt:?} {dtype:?} {e:?} n={n} k={k}"));
+                let (scores, tol) = reference_with_tolerance_q(&ckpt, scorer.mode(), &hidden, &keys);
+                check_topk(&got, &scores, &tol, k as usize, &format!("{shape:?} {wdt:?} {dtype:?} {query:?} {e:?} n={n} k={k}"));
             }
         }
+        scorer.set_query(Query::Auto);
     }
 }
 
@@ -350,8 +415,15 @@ fn cuda_scorer_long_call_matches_reference() {
     for (s, h, dim, hid) in [BENCH_SHAPE, (2, 64, 64, 256)] {
         let ckpt = checkpoint(&mut rng, s, h, dim, hid, WeightDtype::Bf16);
         let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
-        for (dtype, e) in [(KeyDtype::Fp8E4m3, Ensemble::Max), (KeyDtype::Fp8E4m3, Ensemble::Mean), (KeyDtype::Bf16, Ensemble::Mean), (KeyDtype::F32, Ensemble::Max)] {
+        for (dtype, e, query) in [
+            (KeyDtype::Fp8E4m3, Ensemble::Max, Query::Auto),
+            (KeyDtype::Fp8E4m3, Ensemble::Mean, Query::Auto),
+            (KeyDtype::Fp8E4m3, Ensemble::Max, Query::Wide),
+            (KeyDtype::Bf16, Ensemble::Mean, Query::Auto),
+            (KeyDtype::F32, Ensemble::Max, Query::Auto),
+        ] {
             scorer.set_ensemble(e);
+            scorer.set_query(query);
             // 132 SMs x 3 warpgroups x 64 rows = 25,344 chunks per round: 4 to 6 rounds.
             let n = 110_000 + rng.below(40_000) as usize;
             let k = 512u32;
@@ -365,8 +437,8 @@ fn cuda_scorer_long_call_matches_reference() {
                 }
             }
             let got = gpu_topk(&d, &scorer, &hidden, &keys, k).unwrap();
-            let (scores, tol) = reference_with_tolerance(&ckpt, e, &hidden, &keys);
-            check_topk(&got, &scores, &tol, k as usize, &format!("long call {s}x{h}x{dim} {dtype:?} {e:?} n={n} k={k}"));
+            let (scores, tol) = reference_with_tolerance_q(&ckpt, scorer.mode(), &hidden, &keys);
+            check_topk(&got, &scores, &tol, k as usize, &format!("long call {s}x{h}x{dim} {dtype:?} {query:?} {e:?} n={n} k={k}"));
         }
     }
 }
@@ -598,7 +670,7 @@ fn cuda_scorer_clustered_graph_replay() {
             0 => assert_eq!(run_exact(&d, &cs, &other, k).0, other.want, "the other cluster after replay {round}"),
             1 => {
                 d.upload_into(&random_bufs.out, &vec![0x5au8; 4 * k as usize]);
-                unsafe { cs.score_topk(&random_seq, k as usize, Ensemble::Max, st as u64).unwrap() };
+                unsafe { cs.score_topk(&random_seq, k as usize, Ensemble::Max.into(), st as u64).unwrap() };
                 cs.sync_errors(st as u64).unwrap();
                 check_topk(&d.download_i32(&random_bufs.out, k as usize), &scores, &tol, k as usize, "random keys between replays");
             }

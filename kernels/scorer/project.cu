@@ -280,3 +280,52 @@ FM_PROJECT(fm_project_bf16_b1, u16, 1, 256, 1, (FM_PROJ_ROWS * 32))
 FM_PROJECT(fm_project_bf16_b8, u16, FM_PROJ_GROUP, FM_PROJ_KT, FM_PROJ_RPW8, (FM_PROJ_ROWS * 32, 2))
 FM_PROJECT(fm_project_f16_b1, F16, 1, 256, 1, (FM_PROJ_ROWS * 32))
 FM_PROJECT(fm_project_f16_b8, F16, FM_PROJ_GROUP, FM_PROJ_KT, FM_PROJ_RPW8, (FM_PROJ_ROWS * 32, 2))
+
+// The fp8 query in place, for the kernels that score fp8 keys with a 16-bit
+// q (every shape and device without fm_score_wg_fp8q): each head row of the
+// bf16 q of sequence blockIdx.y (q + blockIdx.y * FM_QROWS * FM_HEAD_DIM)
+// becomes e4m3(q * 2^-e) * 2^e as reference::fp8_query defines it, written
+// back in bf16 (exact: a 4-bit significand, unless the value falls below
+// bf16's subnormals, max |q| under about 2^-116). One warp per row; the
+// rounding is done in f32 arithmetic (no fp8 instructions before sm_89),
+// to nearest even like cvt.rn: |x| in [2^k, 2^(k+1)) steps by 2^(k-3), and
+// below 2^-6 by 2^-9. A row with a non-finite value is left as it is (the
+// scores are then non-finite: an error).
+// e of reference::fp8_query_exponent for max |q| = amax (finite, >= 0):
+// with amax = m * 2^x, m in [0.5, 1), and 448 = 0.875 * 2^9.
+__device__ __forceinline__ int fp8q_exponent(float amax) {
+    if (amax == 0.f) return 0;
+    int x;
+    const float m = frexpf(amax, &x);
+    return m <= 0.875f ? x - 9 : x - 8;
+}
+__device__ __forceinline__ float e4m3_round(float x) {
+    const float a = fabsf(x);
+    if (a == 0.f) return x;
+    int k;
+    frexpf(a, &k);  // a in [2^(k-1), 2^k)
+    const int quantum = max(k - 4, -9);
+    return copysignf(scalbnf(rintf(scalbnf(a, -quantum)), quantum), x);
+}
+extern "C" __global__ void __launch_bounds__(256) fm_fp8_query(u16* q) {
+    wait_prerequisites();
+    const u32 lane = threadIdx.x & 31u, row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (row < FM_QROWS) {
+        u16* p = q + ((u64)blockIdx.y * FM_QROWS + row) * FM_HEAD_DIM;
+        constexpr u32 PER = FM_HEAD_DIM / 32;
+        u16 v[PER];
+        u32 amax = 0;
+#pragma unroll
+        for (u32 i = 0; i < PER; ++i) {
+            v[i] = p[lane + 32 * i];
+            amax = max(amax, (u32)v[i] & 0x7fffu);
+        }
+        amax = __reduce_max_sync(KVS_FULL_MASK, amax);
+        if (amax < 0x7f80u && amax != 0) {
+            const int e = fp8q_exponent(bf16_to_f32((u16)amax));
+#pragma unroll
+            for (u32 i = 0; i < PER; ++i) p[lane + 32 * i] = f32_to_bf16(scalbnf(e4m3_round(scalbnf(bf16_to_f32(v[i]), -e)), e));
+        }
+    }
+    allow_dependents();
+}

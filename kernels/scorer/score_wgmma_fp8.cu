@@ -74,7 +74,7 @@ __device__ __forceinline__ void wg8_rows_score_pos(const float* d, const float* 
     }
     head_sums<2>(
         d, 0, [&](u32 j) { return sh_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
-        [&](u32 h, float si) { return normal[h] ? si * c[h] : (si * inv) * scale[h]; }, mean, ens, finite);
+        [&](u32 h, u32, float si) { return normal[h] ? si * c[h] : (si * inv) * scale[h]; }, mean, ens, finite);
 }
 
 // Starts the copy of fp8 rows [c0, c0 + WG_ROWS) into a raw tile (as
@@ -340,4 +340,193 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
     trace_flush(sh_tr, my_tiles);
 #endif
 }
+
+#if FM_HEAD_DIM == 128
+// ------------------------------------------- fp8 keys x the fp8 query
+//
+// fm_score_wg_fp8q: fp8 keys scored with the fp8 query (the default for fp8
+// keys; reference::fp8_query): each head's bf16 q scaled by 2^-e_h (e_h the
+// smallest e with max |q_h| <= 448 * 2^e) and rounded to e4m3 once per
+// block, then fp8 x fp8 wgmma (m64nNk32: half the tensor work of the 16-bit
+// kernels) with both operands read from shared memory: the raw key tile is
+// already the 128-byte-swizzled K-major layout (one 128-byte row per chunk,
+// 16-byte chunk c of row r at c ^ (r % 8): raw_at), so keys go from the
+// cp.async ring to the tensor cores with no conversion. The dot products
+// q8 . k8 are exact products summed in the tensor core's f32 accumulator.
+//
+// Epilogue: w_h * 2^e_h * relu(scale * d) for each head, where 2^e_h is
+// folded into the head weight as w_h * 2^(e_h - E) (E the scorer's largest
+// e_h, exact unless that product leaves the normal range) and 2^E into the
+// scorer's sum with the chunk's scale: c = scale * 2^E when that is a normal
+// float (one multiply per scorer sum), else scalbn(sum * scale, E).
+#define WG8Q_Q_BYTES (FM_QROWS * FM_HEAD_DIM)                  // Q: e4m3, 128-byte rows
+#define WG8Q_GROUP_BYTES (WG_STAGES * WG_RAW_BYTES + 1024)     // raw tiles + their scales, 1024-aligned
+#define WG8Q_ZERO_HEAD (-100000)                               // e of an all-zero head: left out of E
+#define WG8Q_BAD_HEAD 0x7fffffff                               // e of a head with a non-finite q
+static_assert(WG_STAGES * WG_ROWS * 4 <= 1024, "the scales of the ring fit its last KiB");
+static_assert(WG8Q_Q_BYTES % 1024 == 0, "the rings start 1024-aligned");
+
+// Two values (|v| <= 448) to e4m3, round to nearest even: lo in the low byte.
+__device__ __forceinline__ u32 f32x2_to_e4m3x2(float lo, float hi) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(ScoreBatch B, u32* err) {
+    extern __shared__ u8 wg_smem_raw[];
+    __shared__ __align__(16) u32 sh_hist[FM_HIST];
+    __shared__ __align__(16) float sh_w[FM_QROWS];  // w_h * 2^(e_h - E) of each (scorer, head) column
+    __shared__ int sh_e[FM_QROWS];
+    __shared__ int sh_E[FM_SCORERS];
+    const u32 raw_addr = smem_addr(wg_smem_raw);
+    u8* base = wg_smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
+    u8* sh_q = base;
+    const bool mean = B.mean != 0;
+    const ScoreSeq& S = B.seq[blockIdx.y];
+    const u8* keys = (const u8*)S.keys;
+    const u32 n = S.n, stride = S.stride;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u32 g = __shfl_sync(KVS_FULL_MASK, warp >> 2, 0);  // warp-uniform (see score_wg)
+    const u32 t0 = threadIdx.x & (WG_GROUP_THREADS - 1u);
+    u8* ring = base + WG8Q_Q_BYTES + g * WG8Q_GROUP_BYTES;
+    float* sc_ring = (float*)(ring + WG_STAGES * WG_RAW_BYTES);
+
+    const WgTiles T = wg_tiles(n, g);
+    const u32 step = T.step, first = T.first, my_tiles = T.mine, next = T.next, next_turns = T.next_turns;
+    // Tile 0 before waiting for the projection (keys are inputs of the
+    // call, q and w its outputs), tile 1 once Q is quantized.
+    wg8_issue(keys, S.scales, stride, n, t0, first * WG_ROWS, my_tiles > 0, ring, sc_ring);
+    wait_prerequisites();
+    // Q: one warp per head row, four dims per lane; all of this warp's rows
+    // loaded before any is reduced.
+    constexpr u32 WARPS = WG_THREADS / 32, RPW = (FM_QROWS + WARPS - 1) / WARPS;
+    uint2 qv[RPW];
+#pragma unroll
+    for (u32 j = 0; j < RPW; ++j) {
+        const u32 r = warp + j * WARPS;
+        qv[j] = r < FM_QROWS ? *(const uint2*)(S.q + (u64)r * FM_HEAD_DIM + lane * 4) : make_uint2(0, 0);
+    }
+    for (u32 i = threadIdx.x; i < FM_HIST; i += WG_THREADS) sh_hist[i] = 0;
+    float w_mine[(FM_QROWS + WG_THREADS - 1) / WG_THREADS];
+#pragma unroll
+    for (u32 j = 0; j * WG_THREADS < FM_QROWS; ++j)
+        w_mine[j] = threadIdx.x + j * WG_THREADS < FM_QROWS ? S.w[threadIdx.x + j * WG_THREADS] : 0.f;
+#pragma unroll
+    for (u32 j = 0; j < RPW; ++j) {
+        const u32 r = warp + j * WARPS;
+        if (r >= FM_QROWS) break;  // warp-uniform
+        const u32 x[4] = {qv[j].x & 0xffffu, qv[j].x >> 16, qv[j].y & 0xffffu, qv[j].y >> 16};
+        // Largest |q| as bf16 bits: monotonic for non-negative values, and
+        // above 0x7f80 (Inf, NaN) when the projection overflowed.
+        const u32 amax_bits = __reduce_max_sync(KVS_FULL_MASK, max(max(x[0] & 0x7fffu, x[1] & 0x7fffu), max(x[2] & 0x7fffu, x[3] & 0x7fffu)));
+        const bool finite = amax_bits < 0x7f80u;
+        const int e = finite ? fp8q_exponent(bf16_to_f32((u16)amax_bits)) : 0;
+        float v[4];
+#pragma unroll
+        for (u32 i = 0; i < 4; ++i) v[i] = scalbnf(bf16_to_f32((u16)x[i]), -e);  // exact: a power of two
+        const u32 packed = f32x2_to_e4m3x2(v[0], v[1]) | (f32x2_to_e4m3x2(v[2], v[3]) << 16);
+        // Row r's bytes 4 * lane .. + 3: 16-byte chunk lane / 4 of the swizzled row.
+        *(u32*)(sh_q + r * 128u + (((lane >> 2) ^ (r & 7u)) << 4) + (lane & 3u) * 4u) = packed;
+        // A non-finite head is marked: its weight becomes NaN below.
+        if (lane == 0) sh_e[r] = !finite ? WG8Q_BAD_HEAD : (amax_bits == 0 ? WG8Q_ZERO_HEAD : e);
+    }
+    __syncthreads();
+    // E of each scorer: its heads' largest e (0 when every head is zero).
+    for (u32 sc = warp; sc < FM_SCORERS; sc += WARPS) {
+        int m = WG8Q_ZERO_HEAD;
+        for (u32 h = lane; h < FM_HEADS; h += 32) {
+            const int e = sh_e[sc * FM_HEADS + h];
+            if (e != WG8Q_BAD_HEAD) m = max(m, e);
+        }
+        m = __reduce_max_sync(KVS_FULL_MASK, m);
+        if (lane == 0) sh_E[sc] = m == WG8Q_ZERO_HEAD ? 0 : m;
+    }
+    __syncthreads();
+#pragma unroll
+    for (u32 j = 0; j * WG_THREADS < FM_QROWS; ++j) {
+        const u32 i = threadIdx.x + j * WG_THREADS;
+        if (i < FM_QROWS) {
+            const int e = sh_e[i];
+            // A head whose q is not finite scores NaN (an error, as the 16-bit
+            // kernels' infinite dot products); an all-zero head scores 0.
+            sh_w[i] = e == WG8Q_BAD_HEAD ? __int_as_float(0x7fc00000) : e == WG8Q_ZERO_HEAD ? 0.f : scalbnf(w_mine[j], e - sh_E[i / FM_HEADS]);
+        }
+    }
+    for (u32 i = 1; i < WG_STAGES - 1; ++i)
+        wg8_issue(keys, S.scales, stride, n, t0, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * WG_RAW_BYTES, sc_ring + i * WG_ROWS);
+    fence_async_smem();  // Q (generic stores) -> tensor-core reads
+    __syncthreads();
+    int E[FM_SCORERS];
+#pragma unroll
+    for (u32 sc = 0; sc < FM_SCORERS; ++sc) E[sc] = sh_E[sc];
+    bool bad = false;
+    u32 bad_chunk = 0;
+    const u64 db0 = gmma_desc(smem_addr(sh_q));
+    const u32 ra = (warp & 3u) * 16 + (lane >> 2), rb = ra + 8;
+    float d[FM_QROWS / 2];
+#pragma unroll
+    for (u32 k = 0; k < FM_QROWS / 2; ++k) d[k] = 0.f;
+    if (g == WG_GROUPS - 1 && T.first_turns > 0) turn_pass(WG_ORDER_BAR);  // warpgroup 0 goes first
+    for (u32 i = 0; i < my_tiles; ++i) {
+        const u32 c0 = (first + i * step) * WG_ROWS;
+        u8* slot = ring + (i % WG_STAGES) * WG_RAW_BYTES;
+        const float* sc = sc_ring + (i % WG_STAGES) * WG_ROWS;
+        cp_async_wait_stages();  // tile i has landed (this thread's part)
+        wg_barrier(g);           // ... every thread's part; tile i - 1 is consumed
+        const u32 ahead = i + WG_STAGES - 1;
+        wg8_issue(keys, S.scales, stride, n, t0, (first + ahead * step) * WG_ROWS, ahead < my_tiles, ring + (ahead % WG_STAGES) * WG_RAW_BYTES,
+                  sc_ring + (ahead % WG_STAGES) * WG_ROWS);
+        fence_async_smem();  // cp.async writes -> tensor-core reads
+        wg_barrier(g);
+        turn_wait(WG_ORDER_BAR + g);
+        const u64 da0 = gmma_desc(smem_addr(slot));
+        wgmma_fence();
+#pragma unroll
+        for (u32 ks = 0; ks < FM_HEAD_DIM / 32; ++ks) wgmma8_row(d, da0 + ks * 2u, db0 + ks * 2u, ks > 0 ? 1u : 0u);  // +32 bytes
+        wgmma_commit();
+        if (i < next_turns) turn_pass(WG_ORDER_BAR + next);
+        const u32 chunks[2] = {c0 + ra, c0 + rb}, rows[2] = {ra, rb};
+        float scales[2];
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) scales[h] = chunks[h] < n ? sc[rows[h]] : 1.f;
+        wgmma_wait0();
+
+        if (__all_sync(KVS_FULL_MASK, scales[0] > 0.f && scales[0] <= 3.40282347e38f && scales[1] > 0.f && scales[1] <= 3.40282347e38f)) {
+            // relu(scale * x) = scale * relu(x) for scale > 0: the scale and
+            // 2^E multiply each scorer's sum once.
+            float ens[2];
+            bool finite[2];
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) finite[h] = isfinite(d[2 * h]);
+            head_sums<2>(
+                d, 0, [&](u32 j) { return sh_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
+                [&](u32 h, u32 s, float si) {
+                    const float c = scalbnf(scales[h], E[s]);
+                    return c >= 1.17549435e-38f && c <= 3.40282347e38f ? si * c : scalbnf(si * scales[h], E[s]);
+                },
+                mean, ens, finite);
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], lane, S, sh_hist, bad, bad_chunk);
+            continue;
+        }
+        // Any scale (zero, negative, non-finite): per element.
+#pragma unroll
+        for (u32 half = 0; half < 2; ++half) {
+            const float scale = scales[half];
+            bool finite = isfinite(d[2 * half]) && isfinite(scale);
+            float ens;
+            head_sums<1>(
+                d, half, [&](u32 j) { return sh_weights(sh_w, lane, j); }, [&](u32, float a) { return a * scale; },
+                [&](u32, u32 s, float si) { return scalbnf(si, E[s]); }, mean, &ens, &finite);
+            wg_file_score(ens, finite, chunks[half] < n, chunks[half], lane, S, sh_hist, bad, bad_chunk);
+        }
+    }
+    cp_async_wait_all();
+    if (bad) record_error(err, FM_ERR_SCORE, bad_chunk, B.id[blockIdx.y]);
+    allow_dependents();
+    __syncthreads();
+    flush_hist(sh_hist, S.hist);
+}
+#endif  // FM_HEAD_DIM == 128
 #endif  // FM_WGMMA, FM_HEAD_DIM 64 or 128

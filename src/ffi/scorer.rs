@@ -14,7 +14,7 @@ use crate::config::Ensemble;
 use crate::error::{Error, KvswapStatus, Result};
 use crate::scorer::backend::{BoundsRef, KeysRef, SeqRef};
 use crate::scorer::keys::FmKeyDtype;
-use crate::scorer::{self, args, KeyDtype, Scorer};
+use crate::scorer::{self, args, KeyDtype, KvswapFmQuery, Query, Scorer, KVSWAP_FM_QUERY_AUTO, KVSWAP_FM_QUERY_WIDE};
 use std::ffi::{c_char, c_void, CStr};
 use std::path::PathBuf;
 
@@ -79,6 +79,10 @@ pub struct FmScorerInfo {
     pub device: i32,
     /// Bytes of the weight tensors as stored in the checkpoint.
     pub weight_bytes: u64,
+    /// `KVSWAP_FM_QUERY_AUTO` or `KVSWAP_FM_QUERY_WIDE`, as now in force.
+    pub query: KvswapFmQuery,
+    /// Zero.
+    pub reserved: u32,
 }
 
 fn scorer_ref<'a>(s: *const FmScorer) -> Result<&'a Scorer> {
@@ -121,7 +125,9 @@ fn path_arg(path: *const c_char) -> Result<PathBuf> {
 /// a multiple of 8). On CUDA, `KVSWAP_SYNC` (default 1), read from the
 /// environment here (the `fm_*` functions take no `KvswapConfig`; pass
 /// `cfg.fm_ckpt` and `cfg.fm_ensemble` yourself), decides whether scoring
-/// calls wait for their own errors (see `fm_scorer_sync`).
+/// calls wait for their own errors (see `fm_scorer_sync`). On every
+/// backend `KVSWAP_FM_QUERY` (`auto`, the default, or `wide`; see
+/// `fm_scorer_set_query`), also read here, sets the query of fp8 keys.
 /// Errors: `KVSWAP_STATUS_IO` for a missing or unreadable file;
 /// `KVSWAP_STATUS_BAD_CHECKPOINT` for a wrong format tag, a missing or
 /// malformed metadata field, a missing or mis-shaped tensor, an unsupported
@@ -130,7 +136,8 @@ fn path_arg(path: *const c_char) -> Result<PathBuf> {
 /// before the data is read), the message naming the field or tensor, what
 /// was expected and what was found; `KVSWAP_STATUS_NULL_POINTER` for a NULL
 /// `path` or `out`; `KVSWAP_STATUS_INVALID_ARGUMENT` for an empty path,
-/// `device < -1`, a misaligned `out` or (CUDA) a bad `KVSWAP_SYNC`;
+/// `device < -1`, a misaligned `out`, a bad `KVSWAP_FM_QUERY` or (CUDA) a
+/// bad `KVSWAP_SYNC`;
 /// `KVSWAP_STATUS_NO_DEVICE` for `device >= 0` without that CUDA device or
 /// driver (or in a build without CUDA); `KVSWAP_STATUS_UNSUPPORTED` for a
 /// shape the CUDA kernels do not cover, a driver older than CUDA 12.3, or
@@ -180,6 +187,8 @@ pub extern "C" fn fm_scorer_info(scorer: *const FmScorer, out: *mut FmScorerInfo
                 ensemble: scorer::ensemble_code(s.ensemble()),
                 device: s.device(),
                 weight_bytes: s.checkpoint().weight_bytes(),
+                query: scorer::query_code(s.query()),
+                reserved: 0,
             },
         );
         Ok(())
@@ -242,6 +251,30 @@ pub extern "C" fn fm_scorer_set_ensemble(scorer: *mut FmScorer, ensemble: Kvswap
     })
 }
 
+/// Sets the query fp8 keys are scored with: `KVSWAP_FM_QUERY_AUTO` (the
+/// fp8 query, the default) or `KVSWAP_FM_QUERY_WIDE` (q never quantized to
+/// fp8). The default is `KVSWAP_FM_QUERY` (`auto` or `wide`), read by
+/// `fm_scorer_load`. Applies to calls that start after it returns.
+/// Errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `scorer`),
+/// `KVSWAP_STATUS_INVALID_ARGUMENT` (any other value).
+#[no_mangle]
+pub extern "C" fn fm_scorer_set_query(scorer: *mut FmScorer, query: KvswapFmQuery) -> KvswapStatus {
+    boundary("fm_scorer_set_query", || {
+        let s = scorer_ref(scorer)?;
+        let q = match query {
+            KVSWAP_FM_QUERY_AUTO => Query::Auto,
+            KVSWAP_FM_QUERY_WIDE => Query::Wide,
+            other => {
+                return Err(Error::invalid(format!(
+                    "query = {other}: expected KVSWAP_FM_QUERY_AUTO (0) or KVSWAP_FM_QUERY_WIDE (1)"
+                )))
+            }
+        };
+        s.set_query(q);
+        Ok(())
+    })
+}
+
 /// Scores `n_chunks` chunks and writes the top-k chunk ids to
 /// `out_indices[0 .. k)`: descending score, ties to the lower id, padded
 /// with -1 when `n_chunks < k`.
@@ -253,6 +286,12 @@ pub extern "C" fn fm_scorer_set_ensemble(scorer: *mut FmScorer, ensemble: Kvswap
 /// scorer i: `q = Wq h_i` as `[n_heads][head_dim]`, `w = Ww h_i`,
 /// `s_i(c) = sum over heads h of w[h] * relu(q[h] . key_c)`; the chunk score
 /// is the max or mean of `s_i(c)` over the scorers (`fm_scorer_set_ensemble`).
+/// fp8 keys are scored with the fp8 query by default (`fm_scorer_set_query`):
+/// each head's q is rounded to bf16, then scaled by 2^-e (e the smallest
+/// integer with max |q| <= 448 * 2^e) and rounded to fp8 e4m3, and stands
+/// for `e4m3 * 2^e` (DeepSeek-V3.2's fp8 indexer scores so); on a Hopper
+/// GPU the tensor cores then multiply fp8 by fp8 (half the tensor work of
+/// the wide query; figures in README.md).
 ///
 /// Limits: `n_chunks` from 1 to FM_MAX_CHUNKS (4,194,304), `k` from 1 to
 /// FM_MAX_TOPK (2048); 0 is KVSWAP_STATUS_INVALID_ARGUMENT and a value above

@@ -38,6 +38,25 @@ use crate::error::{Error, KvswapStatus};
 use crate::error::Result;
 use std::sync::Arc;
 
+/// What a scoring call computes besides its inputs: the ensemble, and
+/// whether fp8 keys are scored with an fp8 query
+/// ([`super::reference::fp8_query`]; `KVSWAP_FM_QUERY`,
+/// `fm_scorer_set_query`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScoreMode {
+    pub ensemble: Ensemble,
+    /// fp8 keys get the fp8 query (the default); false keeps q wide (bf16
+    /// on CUDA, f64 on the CPU) for every key dtype.
+    pub fp8_query: bool,
+}
+
+impl From<Ensemble> for ScoreMode {
+    /// The ensemble with the default query (fp8 for fp8 keys).
+    fn from(ensemble: Ensemble) -> ScoreMode {
+        ScoreMode { ensemble, fp8_query: true }
+    }
+}
+
 /// Indexer keys of one call, by address in the backend's memory space.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KeysRef {
@@ -95,7 +114,7 @@ pub trait ScorerBackend: Send + Sync {
     /// Every address of `seq` is valid in the backend's memory space for the
     /// sizes it describes, and `seq.out` is not accessed by anyone else
     /// until the work on `stream` is done.
-    unsafe fn score_topk(&self, seq: &SeqRef, k: usize, ensemble: Ensemble, stream: StreamHandle) -> Result<()>;
+    unsafe fn score_topk(&self, seq: &SeqRef, k: usize, mode: ScoreMode, stream: StreamHandle) -> Result<()>;
 
     /// Scores every sequence of a batch, reading the weights once. On
     /// failure no output is written (on the CPU; a device backend documents
@@ -103,7 +122,7 @@ pub trait ScorerBackend: Send + Sync {
     ///
     /// # Safety
     /// As `score_topk` for each sequence; outputs do not overlap.
-    unsafe fn score_topk_batch(&self, seqs: &[SeqRef], k: usize, ensemble: Ensemble, stream: StreamHandle)
+    unsafe fn score_topk_batch(&self, seqs: &[SeqRef], k: usize, mode: ScoreMode, stream: StreamHandle)
         -> Result<()>;
 
     /// Waits for `stream` and returns (clearing it) an error that an earlier

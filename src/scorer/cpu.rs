@@ -1,15 +1,14 @@
 //! The CPU backends: host pointers, the reference math, `stream` ignored.
 
 use super::args;
-use super::backend::{BoundsBackend, BoundsRef, KeysRef, ScorerBackend, SeqRef};
+use super::backend::{BoundsBackend, BoundsRef, KeysRef, ScoreMode, ScorerBackend, SeqRef};
 use super::bounds;
 use super::checkpoint::Checkpoint;
 use super::dtype::KeyDtype;
 use super::keys::Keys;
-use super::reference::{check_hidden, ensemble_scores, project_batch};
+use super::reference::{check_hidden, ensemble_scores, project_batch, query_for_keys};
 use super::topk::topk;
 use crate::backend::{BackendKind, StreamHandle};
-use crate::config::Ensemble;
 use crate::error::{Error, Result};
 use std::sync::Arc;
 
@@ -29,7 +28,7 @@ impl CpuScorer {
     ///
     /// # Safety
     /// The addresses of every sequence are valid host memory for their sizes.
-    unsafe fn results(&self, seqs: &[SeqRef], k: usize, e: Ensemble, batch: bool) -> Result<Vec<Vec<i32>>> {
+    unsafe fn results(&self, seqs: &[SeqRef], k: usize, mode: ScoreMode, batch: bool) -> Result<Vec<Vec<i32>>> {
         let meta = self.ckpt.meta();
         let named = |i: usize, r: Result<()>| r.map_err(|err| in_seq(batch, i, err));
         let mut hiddens = Vec::with_capacity(seqs.len());
@@ -45,8 +44,9 @@ impl CpuScorer {
         }
         let projections = project_batch(&self.ckpt, &hiddens);
         let mut out = Vec::with_capacity(seqs.len());
-        for (i, (p, keys)) in projections.iter().zip(&keys).enumerate() {
-            let scores = ensemble_scores(p, keys, e).map_err(|err| in_seq(batch, i, err))?;
+        for (i, ((p, keys), s)) in projections.iter().zip(&keys).zip(seqs).enumerate() {
+            let p = query_for_keys(p, meta.head_dim as usize, s.keys.dtype == KeyDtype::Fp8E4m3, mode.fp8_query);
+            let scores = ensemble_scores(&p, keys, mode.ensemble).map_err(|err| in_seq(batch, i, err))?;
             out.push(topk(&scores, k));
         }
         Ok(out)
@@ -66,18 +66,18 @@ impl ScorerBackend for CpuScorer {
         "cpu reference scorer (f64 accumulation)".to_string()
     }
 
-    unsafe fn score_topk(&self, seq: &SeqRef, k: usize, e: Ensemble, _stream: StreamHandle) -> Result<()> {
+    unsafe fn score_topk(&self, seq: &SeqRef, k: usize, mode: ScoreMode, _stream: StreamHandle) -> Result<()> {
         // SAFETY: the caller's promise, passed on.
-        let r = unsafe { self.results(std::slice::from_ref(seq), k, e, false)? };
+        let r = unsafe { self.results(std::slice::from_ref(seq), k, mode, false)? };
         // SAFETY: every read of the inputs is finished; `out` has room for k
         // int32 (the caller's promise).
         unsafe { write_indices(seq.out, &r[0]) };
         Ok(())
     }
 
-    unsafe fn score_topk_batch(&self, seqs: &[SeqRef], k: usize, e: Ensemble, _stream: StreamHandle) -> Result<()> {
+    unsafe fn score_topk_batch(&self, seqs: &[SeqRef], k: usize, mode: ScoreMode, _stream: StreamHandle) -> Result<()> {
         // SAFETY: the caller's promise, passed on.
-        let results = unsafe { self.results(seqs, k, e, true)? };
+        let results = unsafe { self.results(seqs, k, mode, true)? };
         for (s, r) in seqs.iter().zip(&results) {
             // SAFETY: as in score_topk; every sequence succeeded before any
             // output is written.

@@ -32,7 +32,7 @@ pub mod reference;
 pub mod topk;
 pub mod write;
 
-pub use backend::{BoundsBackend, BoundsRef, KeysRef, ScorerBackend, SeqRef};
+pub use backend::{BoundsBackend, BoundsRef, KeysRef, ScoreMode, ScorerBackend, SeqRef};
 pub use checkpoint::{Checkpoint, Meta, TensorEntry};
 pub use dtype::{KeyDtype, WeightDtype};
 pub use keys::Keys;
@@ -41,7 +41,7 @@ use crate::backend::{BackendKind, StreamHandle};
 use crate::config::Ensemble;
 use crate::error::Result;
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 
 /// Most chunks one scoring call accepts (4M = 2^22).
@@ -60,6 +60,8 @@ pub struct Scorer {
     checkpoint: Arc<Checkpoint>,
     backend: Box<dyn ScorerBackend>,
     ensemble: AtomicU32,
+    /// fp8 keys get the fp8 query (`KVSWAP_FM_QUERY=auto`, the default).
+    fp8_query: AtomicBool,
 }
 
 impl Scorer {
@@ -88,7 +90,8 @@ impl Scorer {
     fn open(checkpoint: Arc<Checkpoint>, device: i32, sync: Option<bool>) -> Result<Scorer> {
         let backend = backend::open_scorer(checkpoint.clone(), device, sync)?;
         let ensemble = AtomicU32::new(ensemble_code(checkpoint.meta().ensemble));
-        Ok(Scorer { checkpoint, backend, ensemble })
+        let fp8_query = AtomicBool::new(query_setting()? == Query::Auto);
+        Ok(Scorer { checkpoint, backend, ensemble, fp8_query })
     }
 
     /// The checkpoint this scorer scores with.
@@ -121,6 +124,26 @@ impl Scorer {
         self.ensemble.store(ensemble_code(e), Ordering::Relaxed);
     }
 
+    /// The query of the next call.
+    pub fn query(&self) -> Query {
+        if self.fp8_query.load(Ordering::Relaxed) {
+            Query::Auto
+        } else {
+            Query::Wide
+        }
+    }
+
+    /// Sets the query of later calls (the default is `KVSWAP_FM_QUERY`'s,
+    /// read when the scorer is opened).
+    pub fn set_query(&self, q: Query) {
+        self.fp8_query.store(q == Query::Auto, Ordering::Relaxed);
+    }
+
+    /// The ensemble and query of the next call.
+    pub fn mode(&self) -> ScoreMode {
+        ScoreMode { ensemble: self.ensemble(), fp8_query: self.fp8_query.load(Ordering::Relaxed) }
+    }
+
     /// Waits for `stream` and returns (clearing it) an error an earlier
     /// asynchronous call recorded on the device (CUDA with `KVSWAP_SYNC=0`
     /// or [`Scorer::with_sync`]`(.., false)`).
@@ -140,7 +163,7 @@ impl Scorer {
         args::check_seq(seq, self.meta().head_dim as usize, None)?;
         // SAFETY: arguments checked above; validity of memory is the caller's
         // promise, passed on.
-        unsafe { self.backend.score_topk(seq, k as usize, self.ensemble(), stream) }
+        unsafe { self.backend.score_topk(seq, k as usize, self.mode(), stream) }
     }
 
     /// A batch of sequences in one call: all are checked before any is
@@ -156,7 +179,7 @@ impl Scorer {
         }
         args::check_outputs_disjoint(seqs, k as usize)?;
         // SAFETY: as above.
-        unsafe { self.backend.score_topk_batch(seqs, k as usize, self.ensemble(), stream) }
+        unsafe { self.backend.score_topk_batch(seqs, k as usize, self.mode(), stream) }
     }
 }
 
@@ -189,6 +212,48 @@ pub fn bounds_sync(device: i32, stream: StreamHandle) -> Result<()> {
         backend::open_bounds(device).map(|_| ())
     }
 }
+
+/// The query fp8 keys are scored with (`KVSWAP_FM_QUERY`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Query {
+    /// fp8 keys get the fp8 query ([`reference::fp8_query`]); other keys
+    /// keep q wide. The default.
+    Auto,
+    /// q is never quantized to fp8: bf16 on CUDA, f64 on the CPU.
+    Wide,
+}
+
+/// `KVSWAP_FM_QUERY`: `auto` (the default, also when unset or empty) or
+/// `wide`; anything else is `KVSWAP_STATUS_INVALID_ARGUMENT`.
+pub fn query_setting() -> Result<Query> {
+    match std::env::var("KVSWAP_FM_QUERY") {
+        Err(std::env::VarError::NotPresent) => Ok(Query::Auto),
+        Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(Query::Auto),
+            "wide" => Ok(Query::Wide),
+            _ => Err(crate::error::Error::invalid(format!("KVSWAP_FM_QUERY={v}: expected auto or wide"))),
+        },
+        Err(e) => Err(crate::error::Error::invalid(format!("KVSWAP_FM_QUERY: {e}"))),
+    }
+}
+
+/// The C constant of a query (`KVSWAP_FM_QUERY_AUTO`, `KVSWAP_FM_QUERY_WIDE`).
+pub fn query_code(q: Query) -> KvswapFmQuery {
+    match q {
+        Query::Auto => KVSWAP_FM_QUERY_AUTO,
+        Query::Wide => KVSWAP_FM_QUERY_WIDE,
+    }
+}
+
+/// The query a scorer scores fp8 keys with (`KVSWAP_FM_QUERY`,
+/// `fm_scorer_set_query`): one of the `KVSWAP_FM_QUERY_*` constants.
+pub type KvswapFmQuery = u32;
+/// fp8 keys are scored with the fp8 query: each head's q rounded to bf16,
+/// then to fp8 e4m3 under a power-of-two scale (as DeepSeek-V3.2's fp8
+/// indexer scores); f32 and bf16 keys keep q wide. The default.
+pub const KVSWAP_FM_QUERY_AUTO: KvswapFmQuery = 0;
+/// q is never quantized to fp8: bf16 on CUDA, f64 on the CPU.
+pub const KVSWAP_FM_QUERY_WIDE: KvswapFmQuery = 1;
 
 /// The C constant of an ensemble.
 pub fn ensemble_code(e: Ensemble) -> u32 {

@@ -7,10 +7,16 @@
 //! c with key k_c: `s_i(c) = sum_h w[h] * relu(q[h] . k_c)`. The ensemble
 //! score is the max or the mean of `s_i(c)` over the scorers.
 //!
+//! fp8 keys are scored with an fp8 query by default ([`fp8_query`]: q
+//! rounded to bf16, then to fp8 e4m3 under a per-head power-of-two scale);
+//! `KVSWAP_FM_QUERY=wide` (`fm_scorer_set_query`) keeps q as it is.
+//!
 //! With finite f32 inputs and the checkpoint's dimension limits no step can
 //! overflow f64 (|s| stays below about 1e210), so scores are never NaN.
 
 use super::checkpoint::{Checkpoint, Meta};
+use super::backend::ScoreMode;
+use super::dtype::KeyDtype;
 use super::keys::Keys;
 use super::args;
 use super::topk::topk;
@@ -86,6 +92,95 @@ pub fn project_batch(ckpt: &Checkpoint, hiddens: &[&[f32]]) -> Vec<Vec<Projectio
     out
 }
 
+/// The fp8 query (`KVSWAP_FM_QUERY=auto`, the default, with fp8 keys): each
+/// head's q is rounded to bf16 (round to nearest even, saturating at the
+/// largest finite bf16), then scaled by a power of two 2^-e and rounded to
+/// fp8 e4m3 (round to nearest even, subnormals included), and scored as the
+/// value it stands for, `e4m3 * 2^e`. e is the smallest integer with
+/// `max |q_bf16| <= 448 * 2^e` (0 for an all-zero head), so the head's
+/// largest element lands in (224, 448]. This is the query DeepSeek-V3.2's
+/// fp8 indexer scores with (a per-head scale, here a power of two so that
+/// scaling is exact); it lets the CUDA kernel multiply fp8 by fp8 on the
+/// tensor cores. w is not quantized.
+pub fn fp8_query(p: &Projection, head_dim: usize) -> Projection {
+    let mut q = Vec::with_capacity(p.q.len());
+    for head in p.q.chunks(head_dim) {
+        let b: Vec<f64> = head.iter().map(|&v| bf16_round(v)).collect();
+        let e = fp8_query_exponent(b.iter().fold(0.0, |m, v| m.max(v.abs())));
+        let (down, up) = (2f64.powi(-e), 2f64.powi(e));
+        q.extend(b.iter().map(|&v| e4m3_round(v * down) * up));
+    }
+    Projection { q, w: p.w.clone() }
+}
+
+/// The projections a call scores with: [`fp8_query`]'s for fp8 keys when
+/// `fp8_query` is set, else `projs` as they are.
+pub fn query_for_keys(projs: &[Projection], head_dim: usize, fp8_keys: bool, fp8_query: bool) -> std::borrow::Cow<'_, [Projection]> {
+    if fp8_keys && fp8_query {
+        std::borrow::Cow::Owned(projs.iter().map(|p| self::fp8_query(p, head_dim)).collect())
+    } else {
+        std::borrow::Cow::Borrowed(projs)
+    }
+}
+
+/// e of [`fp8_query`] for a head whose largest |q_bf16| is `amax`: the
+/// smallest e with `amax <= 448 * 2^e`. With `amax = m * 2^x`, m in [0.5, 1)
+/// and `448 = 0.875 * 2^9`: x - 9 when m <= 0.875, else x - 8.
+pub fn fp8_query_exponent(amax: f64) -> i32 {
+    if amax == 0.0 || !amax.is_finite() {
+        return 0;
+    }
+    let (m, x) = frexp(amax);
+    if m <= 0.875 {
+        x - 9
+    } else {
+        x - 8
+    }
+}
+
+/// `v = m * 2^x` with m in [0.5, 1), for finite nonzero v (f64 subnormals
+/// included).
+fn frexp(v: f64) -> (f64, i32) {
+    let a = v.abs();
+    let bits = a.to_bits();
+    let biased = ((bits >> 52) & 0x7ff) as i32;
+    if biased == 0 {
+        // Subnormal: scale into the normal range first (exact).
+        let (m, x) = frexp(a * 2f64.powi(64));
+        return (m, x - 64);
+    }
+    let m = f64::from_bits((bits & !(0x7ffu64 << 52)) | (1022u64 << 52));
+    (m, biased - 1022)
+}
+
+/// `v` rounded to bf16 (8 significant bits, f32's exponent range with its
+/// subnormals down to 2^-133), to nearest even; beyond the largest finite
+/// bf16 it saturates there (the CUDA projection's f32 would be infinite
+/// there and the call an error, as for a score that overflows f32).
+pub fn bf16_round(v: f64) -> f64 {
+    const MAX: f64 = 3.3895313892515355e38; // (2 - 2^-7) * 2^127
+    round_to_grid(v, 8, -133).clamp(-MAX, MAX)
+}
+
+/// `v` (|v| <= 448) rounded to fp8 e4m3 (4 significant bits, subnormals
+/// with quantum 2^-9), to nearest even, saturating at 448.
+pub fn e4m3_round(v: f64) -> f64 {
+    round_to_grid(v, 4, -9).clamp(-448.0, 448.0)
+}
+
+/// `v` rounded to nearest even on the grid of a binary format with `bits`
+/// significant bits whose smallest quantum (subnormal spacing) is
+/// 2^`min_quantum`. Powers of two scale exactly in f64 over these ranges.
+fn round_to_grid(v: f64, bits: i32, min_quantum: i32) -> f64 {
+    if v == 0.0 || !v.is_finite() {
+        return v;
+    }
+    let (_, x) = frexp(v);
+    // |v| in [2^(x-1), 2^x): quantum 2^(x - bits), never below the subnormal one.
+    let quantum = (x - bits).max(min_quantum);
+    (v * 2f64.powi(-quantum)).round_ties_even() * 2f64.powi(quantum)
+}
+
 /// `s_i(c)` for one scorer's projection and one decoded key.
 pub fn scorer_score(p: &Projection, key: &[f64]) -> f64 {
     let head_dim = key.len();
@@ -138,18 +233,22 @@ fn check_keys(meta: &Meta, keys: &Keys) -> Result<()> {
 }
 
 /// The per-chunk ensemble scores of one sequence on host memory: the
-/// reference the top-k (of every backend) is defined by.
-pub fn chunk_scores(ckpt: &Checkpoint, e: Ensemble, hidden: &[f32], keys: &Keys) -> Result<Vec<f64>> {
+/// reference the top-k (of every backend) is defined by. `mode` is the
+/// ensemble, or a [`ScoreMode`] (an `Ensemble` alone scores fp8 keys with
+/// the fp8 query, the default).
+pub fn chunk_scores(ckpt: &Checkpoint, mode: impl Into<ScoreMode>, hidden: &[f32], keys: &Keys) -> Result<Vec<f64>> {
+    let mode = mode.into();
     check_hidden(ckpt.meta(), hidden)?;
     check_keys(ckpt.meta(), keys)?;
     let projs = project_batch(ckpt, &[hidden]).pop().unwrap_or_default();
-    ensemble_scores(&projs, keys, e)
+    let projs = query_for_keys(&projs, keys.dim(), keys.dtype() == KeyDtype::Fp8E4m3, mode.fp8_query);
+    ensemble_scores(&projs, keys, mode.ensemble)
 }
 
 /// The top-k of one sequence on host memory (k entries, -1 padded).
-pub fn score_topk(ckpt: &Checkpoint, e: Ensemble, hidden: &[f32], keys: &Keys, k: u32) -> Result<Vec<i32>> {
+pub fn score_topk(ckpt: &Checkpoint, mode: impl Into<ScoreMode>, hidden: &[f32], keys: &Keys, k: u32) -> Result<Vec<i32>> {
     args::check_k(k)?;
-    Ok(topk(&chunk_scores(ckpt, e, hidden, keys)?, k as usize))
+    Ok(topk(&chunk_scores(ckpt, mode, hidden, keys)?, k as usize))
 }
 
 #[cfg(test)]
@@ -187,6 +286,74 @@ mod tests {
         assert_eq!(scorer_score(&p, &[3.0, -1.0, 0.0]), 5.0);
         assert_eq!(combine(Ensemble::Max, &[1.0, -2.0, 0.5]), 1.0);
         assert_eq!(combine(Ensemble::Mean, &[1.0, -2.0, 0.5]), -0.5 / 3.0);
+    }
+
+    #[test]
+    fn rounding_grids() {
+        // e4m3: 4 significant bits; subnormals step by 2^-9; ties to even.
+        assert_eq!(e4m3_round(1.0625), 1.0); // 1 + 1/16: tie, to even (1.000)
+        assert_eq!(e4m3_round(1.1875), 1.25); // 1 + 3/16: tie, to even (1.010)
+        assert_eq!(e4m3_round(1.07), 1.125);
+        assert_eq!(e4m3_round(-300.0), -288.0);
+        assert_eq!(e4m3_round(447.0), 448.0);
+        assert_eq!(e4m3_round(2f64.powi(-10)), 0.0); // half the smallest subnormal: tie, to 0
+        assert_eq!(e4m3_round(3.0 * 2f64.powi(-10)), 2f64.powi(-8)); // 1.5 subnormal quanta: to 2
+        assert_eq!(e4m3_round(0.0137), 7.0 * 2f64.powi(-9));
+        // Every e4m3 value rounds to itself (the decoder's table).
+        for b in 0u8..=0xfe {
+            if b & 0x7f == 0x7f {
+                continue; // NaN
+            }
+            let v = crate::scorer::dtype::fp8_e4m3_to_f32(b) as f64;
+            assert_eq!(e4m3_round(v), v, "{b:#x}");
+        }
+        // bf16: 8 significant bits, f32's range.
+        assert_eq!(bf16_round(1.0 + 2f64.powi(-8)), 1.0);
+        assert_eq!(bf16_round(1.0 + 3.0 * 2f64.powi(-8)), 1.0 + 2f64.powi(-6));
+        assert_eq!(bf16_round(2f64.powi(-134)), 0.0);
+        assert_eq!(bf16_round(3.0 * 2f64.powi(-134)), 2f64.powi(-132));
+        assert_eq!(bf16_round(1e300), 3.3895313892515355e38);
+        for v in [0.1f32, -3.7, 1e-20, 6.5e37, 1.2e-39] {
+            // Against the f32 -> bf16 rounding the CUDA kernels use.
+            let b = v.to_bits();
+            let r = b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000;
+            assert_eq!(bf16_round(v as f64), f32::from_bits(r) as f64, "{v}");
+        }
+    }
+
+    #[test]
+    fn fp8_query_scales_each_head_by_a_power_of_two() {
+        assert_eq!(fp8_query_exponent(448.0), 0);
+        assert_eq!(fp8_query_exponent(449.0), 1);
+        assert_eq!(fp8_query_exponent(224.0), -1);
+        assert_eq!(fp8_query_exponent(224.5), 0);
+        assert_eq!(fp8_query_exponent(1.0), -8); // 1 * 2^8 = 256 <= 448
+        assert_eq!(fp8_query_exponent(1.75), -8);
+        assert_eq!(fp8_query_exponent(1.76), -7);
+        assert_eq!(fp8_query_exponent(2f64.powi(-140)), -148);
+        assert_eq!(fp8_query_exponent(0.0), 0);
+        // Two heads of 3: the first's max is 0.5 -> e = -9 (0.5 * 512 = 256);
+        // -0.3 -> bf16 -0.30078125, * 512 = -154 -> -160 (quantum 16 in
+        // [128, 256)) -> -0.3125. The second is zero.
+        let p = Projection { q: vec![0.5, -0.3, 0.001, 0.0, 0.0, 0.0], w: vec![1.0, 2.0] };
+        let f = fp8_query(&p, 3);
+        assert_eq!(f.q[..2], [0.5, -0.3125]);
+        assert_eq!(f.q[2], e4m3_round(bf16_round(0.001) * 512.0) / 512.0);
+        assert_eq!(f.q[3..], [0.0, 0.0, 0.0]);
+        assert_eq!(f.w, p.w);
+        // Every element is within 2^-4 (half an e4m3 step) of its bf16 value.
+        let mut rng = 0x1234_5678u64;
+        let q: Vec<f64> = (0..512)
+            .map(|_| {
+                rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((rng >> 11) as f64 / (1u64 << 53) as f64 - 0.5) * 1e3
+            })
+            .collect();
+        let f = fp8_query(&Projection { q: q.clone(), w: vec![0.0; 4] }, 128);
+        for (a, b) in q.iter().zip(&f.q) {
+            let bb = bf16_round(*a);
+            assert!((b - bb).abs() <= bb.abs() / 16.0 + 2f64.powi(-9) * 4.0, "{a} -> {b}");
+        }
     }
 
     #[test]

@@ -40,7 +40,7 @@ fn structs_match() {
     n += 1; same_layout!(kvswap::ffi::FmKeys, c::FmKeys, [data, scales, row_stride_bytes, dtype]);
     n += 1; same_layout!(kvswap::ffi::FmSeq, c::FmSeq, [hidden, keys, n_chunks, out_indices]);
     n += 1; same_layout!(kvswap::ffi::FmScorerInfo, c::FmScorerInfo, [
-        n_scorers, hidden, n_heads, head_dim, ensemble, device, weight_bytes
+        n_scorers, hidden, n_heads, head_dim, ensemble, device, weight_bytes, query, reserved
     ]);
     // Every struct the header defines is checked above (opaque handles,
     // `typedef struct X X;`, have no layout to check).

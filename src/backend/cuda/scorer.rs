@@ -16,7 +16,7 @@ use super::driver::{self, kernel_params, CUstream, Device, DeviceBuffer, Kernel,
 use crate::backend::{BackendKind, StreamHandle};
 use crate::config::Ensemble;
 use crate::error::{Error, KvswapStatus, Result};
-use crate::scorer::backend::{BoundsBackend, BoundsRef, KeysRef, ScorerBackend, SeqRef};
+use crate::scorer::backend::{BoundsBackend, BoundsRef, KeysRef, ScoreMode, ScorerBackend, SeqRef};
 use crate::scorer::{args, Checkpoint, KeyDtype, WeightDtype};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -416,6 +416,12 @@ pub struct CudaScorer {
     score_bf16: Option<Kernel>,
     /// fm_score_wg_fp8 (fp8 keys as f16 register operands), when the shape has it.
     score_fp8: Option<Kernel>,
+    /// fm_score_wg_fp8q (fp8 keys x the fp8 query, both operands e4m3) and
+    /// its dynamic shared memory, with wgmma and head_dim 128.
+    score_fp8q: Option<(Kernel, u32)>,
+    /// fm_fp8_query: the fp8 query in place in the bf16 q, for fp8 keys on
+    /// the other kernels (None only for a KVSWAP_FM_SOURCE without it).
+    fp8_query: Option<Kernel>,
     /// fm_select and fm_order.
     select: Selection,
     score_smem: u32,
@@ -562,6 +568,39 @@ impl CudaScorer {
         } else {
             None
         };
+        // A KVSWAP_FM_SOURCE from before the fp8 query (a development
+        // baseline) has neither kernel: fp8 keys then keep the wide query.
+        let optional = |name: &str| -> Result<Option<Kernel>> {
+            match f(name.into()) {
+                Ok(k) => Ok(Some(k)),
+                Err(e) if std::env::var_os("KVSWAP_FM_SOURCE").is_some_and(|p| !p.is_empty()) => {
+                    log::warn!("kvswap: KVSWAP_FM_SOURCE has no {name} ({}): fp8 keys keep the wide query", e.message);
+                    Ok(None)
+                }
+                Err(e) => Err(e),
+            }
+        };
+        let fp8_query = optional("fm_fp8_query")?;
+        // fm_score_wg_fp8q: Q in e4m3 + per warpgroup WG_STAGES raw tiles and
+        // a KiB of their scales, + 1024 alignment slack; its histogram, head
+        // weights and exponents are static.
+        let fp8q_smem = (s * h * d + WG_GROUPS * (WG_STAGES * 64 * d + 1024) + 1024) as u32;
+        let score_fp8q = if wgmma
+            && d == 128
+            && forced != "wgmma-convert"
+            && forced != "wgmma-f16"
+            && (fp8q_smem as usize + HIST * 4 + s * h * 8 + s * 4) as i32 <= dev.smem_optin
+        {
+            match optional("fm_score_wg_fp8q")? {
+                Some(k) => {
+                    k.set_max_dynamic_smem(fp8q_smem as i32)?;
+                    Some((k, fp8q_smem))
+                }
+                None => None,
+            }
+        } else {
+            None
+        };
         let select = Selection::new(&module)?;
         let pdl = dev.cc.0 >= 9;
         drop(_g);
@@ -584,6 +623,8 @@ impl CudaScorer {
             score,
             score_bf16,
             score_fp8,
+            score_fp8q,
+            fp8_query,
             select,
             score_smem,
             score_tile,
@@ -634,7 +675,7 @@ impl CudaScorer {
     /// ABI) or given (`qw`: per sequence the bf16 q and f32 w, for the
     /// benchmark's "score" scope). Every sequence is checked before anything
     /// is launched; then one launch group per key dtype and 64 sequences.
-    unsafe fn run(&self, seqs: &[SeqRef], qw: Option<&[(u64, u64)]>, k: usize, ensemble: Ensemble, stream: StreamHandle) -> Result<()> {
+    unsafe fn run(&self, seqs: &[SeqRef], qw: Option<&[(u64, u64)]>, k: usize, mode: ScoreMode, stream: StreamHandle) -> Result<()> {
         let dev = self.device();
         let _g = dev.bind()?;
         let s = check_stream(dev, stream)?;
@@ -686,7 +727,16 @@ impl CudaScorer {
                 for (i, &orig) in group.iter().enumerate() {
                     id[i] = orig as u16;
                 }
-                let q_at = |i: usize| qw.map(|v| v[group[i]].0).unwrap_or(ws.q.ptr + (i * self.q_elems() * 2) as u64);
+                // fp8 keys with the fp8 query: fm_score_wg_fp8q quantizes q
+                // itself; the other kernels get it from fm_fp8_query, in
+                // place in the workspace's q (a given q is copied there first).
+                let fp8q = dtype == KeyDtype::Fp8E4m3 && mode.fp8_query;
+                let in_place = fp8q && self.score_fp8q.is_none() && self.fp8_query.is_some();
+                let ws_q = |i: usize| ws.q.ptr + (i * self.q_elems() * 2) as u64;
+                let q_at = |i: usize| match qw {
+                    Some(v) if !in_place => v[group[i]].0,
+                    _ => ws_q(i),
+                };
                 let w_at = |i: usize| qw.map(|v| v[group[i]].1).unwrap_or(ws.w.ptr + (i * self.w_elems() * 4) as u64);
                 if qw.is_none() {
                     let mut pb = ProjBatch { n: b as u32, seq: [ProjSeq::default(); MAX_BATCH], id };
@@ -709,11 +759,27 @@ impl CudaScorer {
                     // SAFETY: parameters match fm_project_*(const T*, u32, ProjBatch, u32*);
                     // hidden and q/w buffers were checked / sized above.
                     unsafe { kernel.launch_2d(grid, 32 * PROJECT_WARPS[which], PROJECT_SMEM[which], s, &mut params)? };
+                } else if in_place {
+                    for (i, &orig) in group.iter().enumerate() {
+                        let given = qw.map(|v| v[orig].0).unwrap_or(0);
+                        // SAFETY: both hold q_elems bf16 (the given q by
+                        // score_with_qw's contract); ordered on `s`.
+                        unsafe { driver::copy_dtod_async(ws_q(i), given, self.q_elems() * 2, s)? };
+                    }
+                }
+                if let (true, Some(kernel)) = (in_place, &self.fp8_query) {
+                    let mut q = ws_q(0);
+                    let mut params = kernel_params![q];
+                    // SAFETY: fm_fp8_query(u16*): b sequences' q back to back
+                    // in the workspace, FM_QROWS rows of head_dim each.
+                    unsafe {
+                        self.launch.dependent(kernel, ((self.n_scorers * self.heads).div_ceil(8) as u32, b as u32), 256, 0, s, &mut params)?
+                    };
                 }
                 let mut sb = ScoreBatch {
                     n_seqs: b as u32,
                     dtype: dtype.code(),
-                    mean: (ensemble == Ensemble::Mean) as u32,
+                    mean: (mode.ensemble == Ensemble::Mean) as u32,
                     pad: 0,
                     seq: [ScoreSeq::default(); MAX_BATCH],
                     id,
@@ -753,11 +819,12 @@ impl CudaScorer {
                 let per_seq = tiles.min((resident / b as u32).max(1));
                 let mut params = kernel_params![sb, err];
                 // SAFETY: parameters match fm_score(ScoreBatch, u32*); keys checked above.
-                let kernel = match (dtype, &self.score_bf16, &self.score_fp8) {
-                    (KeyDtype::Bf16, Some(k), _) | (KeyDtype::Fp8E4m3, _, Some(k)) => k,
-                    _ => &self.score,
+                let (kernel, smem) = match (dtype, &self.score_bf16, &self.score_fp8, &self.score_fp8q) {
+                    (KeyDtype::Fp8E4m3, _, _, Some((k, smem))) if fp8q => (k, *smem),
+                    (KeyDtype::Bf16, Some(k), _, _) | (KeyDtype::Fp8E4m3, _, Some(k), _) => (k, self.score_smem),
+                    _ => (&self.score, self.score_smem),
                 };
-                unsafe { self.launch.dependent(kernel, (per_seq, b as u32), self.score_threads, self.score_smem, s, &mut params)? };
+                unsafe { self.launch.dependent(kernel, (per_seq, b as u32), self.score_threads, smem, s, &mut params)? };
                 let sel_blocks = (group_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
                 self.select.launch(&self.launch, sel, sel_blocks, err, s)?;
             }
@@ -785,12 +852,12 @@ impl CudaScorer {
     ///
     /// # Safety
     /// As `score_topk`; `qw[i]` are device buffers of those sizes.
-    pub unsafe fn score_with_qw(&self, seqs: &[SeqRef], qw: &[(u64, u64)], k: usize, e: Ensemble, stream: StreamHandle) -> Result<()> {
+    pub unsafe fn score_with_qw(&self, seqs: &[SeqRef], qw: &[(u64, u64)], k: usize, mode: impl Into<ScoreMode>, stream: StreamHandle) -> Result<()> {
         for q in seqs {
             args::check_n_chunks(q.n_chunks)?;
         }
         // SAFETY: forwarded.
-        unsafe { self.run(seqs, Some(qw), k, e, stream) }
+        unsafe { self.run(seqs, Some(qw), k, mode.into(), stream) }
     }
 
     /// Waits for `stream` and returns (and clears) an error an earlier
@@ -885,13 +952,13 @@ impl ScorerBackend for CudaScorer {
             if self.wgmma { "wgmma" } else { "mma.sync" }
         )
     }
-    unsafe fn score_topk(&self, seq: &SeqRef, k: usize, ensemble: Ensemble, stream: StreamHandle) -> Result<()> {
+    unsafe fn score_topk(&self, seq: &SeqRef, k: usize, mode: ScoreMode, stream: StreamHandle) -> Result<()> {
         // SAFETY: forwarded caller contract.
-        unsafe { self.run(std::slice::from_ref(seq), None, k, ensemble, stream) }
+        unsafe { self.run(std::slice::from_ref(seq), None, k, mode, stream) }
     }
-    unsafe fn score_topk_batch(&self, seqs: &[SeqRef], k: usize, ensemble: Ensemble, stream: StreamHandle) -> Result<()> {
+    unsafe fn score_topk_batch(&self, seqs: &[SeqRef], k: usize, mode: ScoreMode, stream: StreamHandle) -> Result<()> {
         // SAFETY: forwarded caller contract.
-        unsafe { self.run(seqs, None, k, ensemble, stream) }
+        unsafe { self.run(seqs, None, k, mode, stream) }
     }
     fn sync_errors(&self, stream: StreamHandle) -> Result<()> {
         CudaScorer::sync_errors(self, stream)
