@@ -421,10 +421,20 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
         // above 0x7f80 (Inf, NaN) when the projection overflowed.
         const u32 amax_bits = __reduce_max_sync(KVS_FULL_MASK, max(max(x[0] & 0x7fffu, x[1] & 0x7fffu), max(x[2] & 0x7fffu, x[3] & 0x7fffu)));
         const bool finite = amax_bits < 0x7f80u;
-        const int e = finite ? fp8q_exponent(bf16_to_f32((u16)amax_bits)) : 0;
+        // e from the bits of a normal amax = (1 + m/128) 2^(E - 127):
+        // fp8q_exponent's m <= 0.875 is m <= 96, x = E - 126 (frexpf for a
+        // subnormal amax).
+        const u32 E = amax_bits >> 7, m = amax_bits & 0x7fu;
+        const int e = !finite ? 0 : E == 0 ? fp8q_exponent(bf16_to_f32((u16)amax_bits)) : (int)E - (m <= 96u ? 135 : 134);
         float v[4];
+        if (e >= -127 && e <= 126) {  // 2^-e is a normal float (warp-uniform branch)
+            const float f = __int_as_float((127 - e) << 23);
 #pragma unroll
-        for (u32 i = 0; i < 4; ++i) v[i] = scalbnf(bf16_to_f32((u16)x[i]), -e);  // exact: a power of two
+            for (u32 i = 0; i < 4; ++i) v[i] = bf16_to_f32((u16)x[i]) * f;  // exact unless far below e4m3's range
+        } else {
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) v[i] = scalbnf(bf16_to_f32((u16)x[i]), -e);
+        }
         const u32 packed = f32x2_to_e4m3x2(v[0], v[1]) | (f32x2_to_e4m3x2(v[2], v[3]) << 16);
         // Row r's bytes 4 * lane .. + 3: 16-byte chunk lane / 4 of the swizzled row.
         *(u32*)(sh_q + r * 128u + (((lane >> 2) ^ (r & 7u)) << 4) + (lane & 3u) * 4u) = packed;
