@@ -2900,6 +2900,21 @@ static void test_fm_scoring(const char *ckpt) {
     CHECK(info.query == KVSWAP_FM_QUERY_WIDE);
     group_done("fm_scorer_set_query: auto by default, wide on request, a bad value and NULL refused (unchanged)");
 
+    /* KVSWAP_FM_QUERY, read by fm_scorer_load: a bad value is refused
+     * naming it (out untouched), `wide` is the loaded scorer's default. */
+    CHECK(setenv("KVSWAP_FM_QUERY", "bogus", 1) == 0);
+    fm_load_refused(ckpt, dm_is_cuda() ? 0 : -1, KVSWAP_STATUS_INVALID_ARGUMENT, "KVSWAP_FM_QUERY=bogus");
+    CHECK(setenv("KVSWAP_FM_QUERY", "Wide", 1) == 0);
+    {
+        FmScorer *w = fm_load_ok(ckpt);
+        FmScorerInfo wi;
+        CHECK_OK(fm_scorer_info(w, &wi));
+        CHECK(wi.query == KVSWAP_FM_QUERY_WIDE);
+        fm_scorer_free(w);
+    }
+    CHECK(unsetenv("KVSWAP_FM_QUERY") == 0);
+    group_done("KVSWAP_FM_QUERY: a bad value refused by fm_scorer_load, `Wide` loads a wide-query scorer");
+
     /* Random inputs against the reference, every key type, both ensembles. */
     int32_t out[FM_MAX_TOPK], out2[FM_MAX_TOPK];
     float *hidden = random_hidden(hn);

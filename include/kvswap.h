@@ -690,8 +690,9 @@ enum KvswapStatus fm_scorer_set_query(struct FmScorer *scorer, KvswapFmQuery que
 // each head's q is rounded to bf16, then scaled by 2^-e (e the smallest
 // integer with max |q| <= 448 * 2^e) and rounded to fp8 e4m3, and stands
 // for `e4m3 * 2^e` (DeepSeek-V3.2's fp8 indexer scores so); on a Hopper
-// GPU the tensor cores then multiply fp8 by fp8 (half the tensor work of
-// the wide query; figures in README.md).
+// GPU with head_dim 128 (and a wgmma shape) the tensor cores then multiply
+// fp8 by fp8 (half the tensor work of the wide query; figures in
+// README.md); elsewhere the quantized q is scored by the 16-bit kernels.
 //
 // Limits: `n_chunks` from 1 to FM_MAX_CHUNKS (4,194,304), `k` from 1 to
 // FM_MAX_TOPK (2048); 0 is KVSWAP_STATUS_INVALID_ARGUMENT and a value above

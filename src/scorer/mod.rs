@@ -88,9 +88,10 @@ impl Scorer {
     }
 
     fn open(checkpoint: Arc<Checkpoint>, device: i32, sync: Option<bool>) -> Result<Scorer> {
+        // A bad KVSWAP_FM_QUERY is refused before any device work.
+        let fp8_query = AtomicBool::new(query_setting()? == Query::Auto);
         let backend = backend::open_scorer(checkpoint.clone(), device, sync)?;
         let ensemble = AtomicU32::new(ensemble_code(checkpoint.meta().ensemble));
-        let fp8_query = AtomicBool::new(query_setting()? == Query::Auto);
         Ok(Scorer { checkpoint, backend, ensemble, fp8_query })
     }
 
