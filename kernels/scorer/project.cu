@@ -291,13 +291,19 @@ FM_PROJECT(fm_project_f16_b8, F16, FM_PROJ_GROUP, FM_PROJ_KT, FM_PROJ_RPW8, (FM_
 // to nearest even like cvt.rn: |x| in [2^k, 2^(k+1)) steps by 2^(k-3), and
 // below 2^-6 by 2^-9. A row with a non-finite value is left as it is (the
 // scores are then non-finite: an error).
-// e of reference::fp8_query_exponent for max |q| = amax (finite, >= 0):
-// with amax = m * 2^x, m in [0.5, 1), and 448 = 0.875 * 2^9.
-__device__ __forceinline__ int fp8q_exponent(float amax) {
-    if (amax == 0.f) return 0;
-    int x;
-    const float m = frexpf(amax, &x);
-    return m <= 0.875f ? x - 9 : x - 8;
+// e of reference::fp8_query_exponent for a head whose largest |q| has the
+// finite bf16 bits `amax`: with amax = m' * 2^x, m' in [0.5, 1), and 448 =
+// 0.875 * 2^9, x - 9 when m' <= 0.875, else x - 8. A normal amax is
+// (1 + m/128) * 2^(E - 127): m' <= 0.875 is m <= 96 and x = E - 126; a
+// subnormal one goes through frexpf.
+__device__ __forceinline__ int fp8q_exponent(u32 amax) {
+    const u32 E = amax >> 7, m = amax & 0x7fu;
+    if (amax == 0) return 0;
+    if (E == 0) {
+        int x;
+        return frexpf(bf16_to_f32((u16)amax), &x) <= 0.875f ? x - 9 : x - 8;
+    }
+    return (int)E - (m <= 96u ? 135 : 134);
 }
 __device__ __forceinline__ float e4m3_round(float x) {
     const float a = fabsf(x);
@@ -322,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(256) fm_fp8_query(u16* q) {
         }
         amax = __reduce_max_sync(KVS_FULL_MASK, amax);
         if (amax < 0x7f80u && amax != 0) {
-            const int e = fp8q_exponent(bf16_to_f32((u16)amax));
+            const int e = fp8q_exponent(amax);
 #pragma unroll
             for (u32 i = 0; i < PER; ++i) p[lane + 32 * i] = f32_to_bf16(scalbnf(e4m3_round(scalbnf(bf16_to_f32(v[i]), -e)), e));
         }

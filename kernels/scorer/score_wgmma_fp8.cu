@@ -357,8 +357,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
 // Epilogue: w_h * 2^e_h * relu(scale * d) for each head, where 2^e_h is
 // folded into the head weight as w_h * 2^(e_h - E) (E the scorer's largest
 // e_h, exact unless that product leaves the normal range) and 2^E into the
-// scorer's sum with the chunk's scale: c = scale * 2^E when that is a normal
-// float (one multiply per scorer sum), else scalbn(sum * scale, E).
+// scorer's sum with the chunk's scale: c = scale * 2^E when 2^E and c are
+// normal floats (one multiply per scorer sum), else scalbn(sum * scale, E).
 #define WG8Q_Q_BYTES (FM_QROWS * FM_HEAD_DIM)                  // Q: e4m3, 128-byte rows
 #define WG8Q_GROUP_BYTES (WG_STAGES * WG_RAW_BYTES + 1024)     // raw tiles + their scales, 1024-aligned
 #define WG8Q_ZERO_HEAD (-100000)                               // e of an all-zero head: left out of E
@@ -421,11 +421,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
         // above 0x7f80 (Inf, NaN) when the projection overflowed.
         const u32 amax_bits = __reduce_max_sync(KVS_FULL_MASK, max(max(x[0] & 0x7fffu, x[1] & 0x7fffu), max(x[2] & 0x7fffu, x[3] & 0x7fffu)));
         const bool finite = amax_bits < 0x7f80u;
-        // e from the bits of a normal amax = (1 + m/128) 2^(E - 127):
-        // fp8q_exponent's m <= 0.875 is m <= 96, x = E - 126 (frexpf for a
-        // subnormal amax).
-        const u32 E = amax_bits >> 7, m = amax_bits & 0x7fu;
-        const int e = !finite ? 0 : E == 0 ? fp8q_exponent(bf16_to_f32((u16)amax_bits)) : (int)E - (m <= 96u ? 135 : 134);
+        const int e = finite ? fp8q_exponent(amax_bits) : 0;
         float v[4];
         if (e >= -127 && e <= 126) {  // 2^-e is a normal float (warp-uniform branch)
             const float f = __int_as_float((127 - e) << 23);
@@ -467,9 +463,15 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
         wg8_issue(keys, S.scales, stride, n, t0, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * WG_RAW_BYTES, sc_ring + i * WG_ROWS);
     fence_async_smem();  // Q (generic stores) -> tensor-core reads
     __syncthreads();
+    // E per scorer, and 2^E as a float where that is a normal number (else 0,
+    // which sends every row of the scorer to the scalbnf path below).
     int E[FM_SCORERS];
+    float p2E[FM_SCORERS];
 #pragma unroll
-    for (u32 sc = 0; sc < FM_SCORERS; ++sc) E[sc] = sh_E[sc];
+    for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
+        E[sc] = sh_E[sc];
+        p2E[sc] = E[sc] >= -126 && E[sc] <= 127 ? __int_as_float((127 + E[sc]) << 23) : 0.f;
+    }
     bool bad = false;
     u32 bad_chunk = 0;
     const u64 db0 = gmma_desc(smem_addr(sh_q));
@@ -512,7 +514,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
             head_sums<2>(
                 d, 0, [&](u32 j) { return sh_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
                 [&](u32 h, u32 s, float si) {
-                    const float c = scalbnf(scales[h], E[s]);
+                    const float c = scales[h] * p2E[s];  // exact when normal
                     return c >= 1.17549435e-38f && c <= 3.40282347e38f ? si * c : scalbnf(si * scales[h], E[s]);
                 },
                 mean, ens, finite);

@@ -235,18 +235,30 @@ pub extern "C" fn fm_scorer_sync(scorer: *const FmScorer, stream: KvswapStream) 
 /// `KVSWAP_STATUS_INVALID_ARGUMENT` (any other value).
 #[no_mangle]
 pub extern "C" fn fm_scorer_set_ensemble(scorer: *mut FmScorer, ensemble: KvswapEnsemble) -> KvswapStatus {
-    boundary("fm_scorer_set_ensemble", || {
+    let choices = [(KVSWAP_ENSEMBLE_MAX, Ensemble::Max), (KVSWAP_ENSEMBLE_MEAN, Ensemble::Mean)];
+    set_choice("fm_scorer_set_ensemble", scorer, "ensemble", ensemble, &choices, "KVSWAP_ENSEMBLE_MAX (0) or KVSWAP_ENSEMBLE_MEAN (1)", Scorer::set_ensemble)
+}
+
+/// A scorer setting given by its C constant: `value` must be one of
+/// `choices` (else INVALID_ARGUMENT naming `what` and the `expected`
+/// constants, the setting unchanged), then `apply` sets it.
+fn set_choice<T: Copy>(
+    function: &'static str,
+    scorer: *mut FmScorer,
+    what: &str,
+    value: u32,
+    choices: &[(u32, T)],
+    expected: &str,
+    apply: impl FnOnce(&Scorer, T),
+) -> KvswapStatus {
+    boundary(function, || {
         let s = scorer_ref(scorer)?;
-        let e = match ensemble {
-            KVSWAP_ENSEMBLE_MAX => Ensemble::Max,
-            KVSWAP_ENSEMBLE_MEAN => Ensemble::Mean,
-            other => {
-                return Err(Error::invalid(format!(
-                    "ensemble = {other}: expected KVSWAP_ENSEMBLE_MAX (0) or KVSWAP_ENSEMBLE_MEAN (1)"
-                )))
-            }
-        };
-        s.set_ensemble(e);
+        let v = choices
+            .iter()
+            .find(|(code, _)| *code == value)
+            .ok_or_else(|| Error::invalid(format!("{what} = {value}: expected {expected}")))?
+            .1;
+        apply(s, v);
         Ok(())
     })
 }
@@ -259,20 +271,8 @@ pub extern "C" fn fm_scorer_set_ensemble(scorer: *mut FmScorer, ensemble: Kvswap
 /// `KVSWAP_STATUS_INVALID_ARGUMENT` (any other value).
 #[no_mangle]
 pub extern "C" fn fm_scorer_set_query(scorer: *mut FmScorer, query: KvswapFmQuery) -> KvswapStatus {
-    boundary("fm_scorer_set_query", || {
-        let s = scorer_ref(scorer)?;
-        let q = match query {
-            KVSWAP_FM_QUERY_AUTO => Query::Auto,
-            KVSWAP_FM_QUERY_WIDE => Query::Wide,
-            other => {
-                return Err(Error::invalid(format!(
-                    "query = {other}: expected KVSWAP_FM_QUERY_AUTO (0) or KVSWAP_FM_QUERY_WIDE (1)"
-                )))
-            }
-        };
-        s.set_query(q);
-        Ok(())
-    })
+    let choices = [(KVSWAP_FM_QUERY_AUTO, Query::Auto), (KVSWAP_FM_QUERY_WIDE, Query::Wide)];
+    set_choice("fm_scorer_set_query", scorer, "query", query, &choices, "KVSWAP_FM_QUERY_AUTO (0) or KVSWAP_FM_QUERY_WIDE (1)", Scorer::set_query)
 }
 
 /// Scores `n_chunks` chunks and writes the top-k chunk ids to

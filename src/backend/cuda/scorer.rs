@@ -540,24 +540,25 @@ impl CudaScorer {
             k.set_max_dynamic_smem(score_smem as i32)?;
             (k, score_smem, 64u32, 32 * score_warps(s, h))
         };
-        // bf16 keys: fm_score_wg's body with the dtype a constant. A
-        // KVSWAP_FM_SOURCE from before it (a development baseline) has none:
-        // bf16 keys then take fm_score_wg, as they did there.
-        let score_bf16 = if wgmma {
-            match f("fm_score_wg_bf16".into()) {
-                Ok(k) => {
-                    k.set_max_dynamic_smem(wg_smem as i32)?;
-                    Some(k)
-                }
+        // A kernel that a KVSWAP_FM_SOURCE from before it (a development
+        // baseline) may lack: None with a warning saying what is used
+        // instead; any other failure is an error.
+        let optional = |name: &str, instead: &str| -> Result<Option<Kernel>> {
+            match f(name.into()) {
+                Ok(k) => Ok(Some(k)),
                 Err(e) if std::env::var_os("KVSWAP_FM_SOURCE").is_some_and(|p| !p.is_empty()) => {
-                    log::warn!("kvswap: KVSWAP_FM_SOURCE has no fm_score_wg_bf16 ({}): bf16 keys use fm_score_wg", e.message);
-                    None
+                    log::warn!("kvswap: KVSWAP_FM_SOURCE has no {name} ({}): {instead}", e.message);
+                    Ok(None)
                 }
-                Err(e) => return Err(e),
+                Err(e) => Err(e),
             }
-        } else {
-            None
         };
+        // bf16 keys: fm_score_wg's body with the dtype a constant (without
+        // it, fm_score_wg, as a baseline source had it).
+        let score_bf16 = if wgmma { optional("fm_score_wg_bf16", "bf16 keys use fm_score_wg")? } else { None };
+        if let Some(k) = &score_bf16 {
+            k.set_max_dynamic_smem(wg_smem as i32)?;
+        }
         // fm_score_wg_fp8 exists for head_dim 64 and 128; its static shared
         // memory adds the head weights and a reduction scratch
         // (KVSWAP_FM_KERNEL=wgmma-convert keeps fp8 keys on fm_score_wg).
@@ -568,19 +569,8 @@ impl CudaScorer {
         } else {
             None
         };
-        // A KVSWAP_FM_SOURCE from before the fp8 query (a development
-        // baseline) has neither kernel: fp8 keys then keep the wide query.
-        let optional = |name: &str| -> Result<Option<Kernel>> {
-            match f(name.into()) {
-                Ok(k) => Ok(Some(k)),
-                Err(e) if std::env::var_os("KVSWAP_FM_SOURCE").is_some_and(|p| !p.is_empty()) => {
-                    log::warn!("kvswap: KVSWAP_FM_SOURCE has no {name} ({}): fp8 keys keep the wide query", e.message);
-                    Ok(None)
-                }
-                Err(e) => Err(e),
-            }
-        };
-        let fp8_query = optional("fm_fp8_query")?;
+        let wide = "fp8 keys keep the wide query";
+        let fp8_query = optional("fm_fp8_query", wide)?;
         // fm_score_wg_fp8q: Q in e4m3 + per warpgroup WG_STAGES raw tiles and
         // a KiB of their scales, + 1024 alignment slack; its histogram, head
         // weights and exponents are static.
@@ -591,7 +581,7 @@ impl CudaScorer {
             && forced != "wgmma-f16"
             && (fp8q_smem as usize + HIST * 4 + s * h * 8 + s * 4) as i32 <= dev.smem_optin
         {
-            match optional("fm_score_wg_fp8q")? {
+            match optional("fm_score_wg_fp8q", wide)? {
                 Some(k) => {
                     k.set_max_dynamic_smem(fp8q_smem as i32)?;
                     Some((k, fp8q_smem))
@@ -731,10 +721,10 @@ impl CudaScorer {
                 // itself; the other kernels get it from fm_fp8_query, in
                 // place in the workspace's q (a given q is copied there first).
                 let fp8q = dtype == KeyDtype::Fp8E4m3 && mode.fp8_query;
-                let in_place = fp8q && self.score_fp8q.is_none() && self.fp8_query.is_some();
+                let in_place = if fp8q && self.score_fp8q.is_none() { self.fp8_query.as_ref() } else { None };
                 let ws_q = |i: usize| ws.q.ptr + (i * self.q_elems() * 2) as u64;
                 let q_at = |i: usize| match qw {
-                    Some(v) if !in_place => v[group[i]].0,
+                    Some(v) if in_place.is_none() => v[group[i]].0,
                     _ => ws_q(i),
                 };
                 let w_at = |i: usize| qw.map(|v| v[group[i]].1).unwrap_or(ws.w.ptr + (i * self.w_elems() * 4) as u64);
@@ -759,15 +749,15 @@ impl CudaScorer {
                     // SAFETY: parameters match fm_project_*(const T*, u32, ProjBatch, u32*);
                     // hidden and q/w buffers were checked / sized above.
                     unsafe { kernel.launch_2d(grid, 32 * PROJECT_WARPS[which], PROJECT_SMEM[which], s, &mut params)? };
-                } else if in_place {
-                    for (i, &orig) in group.iter().enumerate() {
-                        let given = qw.map(|v| v[orig].0).unwrap_or(0);
-                        // SAFETY: both hold q_elems bf16 (the given q by
-                        // score_with_qw's contract); ordered on `s`.
-                        unsafe { driver::copy_dtod_async(ws_q(i), given, self.q_elems() * 2, s)? };
-                    }
                 }
-                if let (true, Some(kernel)) = (in_place, &self.fp8_query) {
+                if let Some(kernel) = in_place {
+                    if let Some(v) = qw {
+                        for (i, &orig) in group.iter().enumerate() {
+                            // SAFETY: both hold q_elems bf16 (the given q by
+                            // score_with_qw's contract); ordered on `s`.
+                            unsafe { driver::copy_dtod_async(ws_q(i), v[orig].0, self.q_elems() * 2, s)? };
+                        }
+                    }
                     let mut q = ws_q(0);
                     let mut params = kernel_params![q];
                     // SAFETY: fm_fp8_query(u16*): b sequences' q back to back
