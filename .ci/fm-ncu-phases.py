@@ -44,10 +44,10 @@ def num(x):
 addr = lambda r: int(r[col["Address"]], 16)
 src = lambda r: r[col["Source"]]
 data.sort(key=addr)
-hgmma = [addr(r) for r in data if "HGMMA" in src(r)]
+hgmma = [addr(r) for r in data if re.search(r"[HQ]GMMA", src(r))]
 depbar = [addr(r) for r in data if "WARPGROUP.DEPBAR" in src(r)]
 if not hgmma or not depbar:
-    sys.exit("no HGMMA / WARPGROUP.DEPBAR: not a wgmma kernel's table")
+    sys.exit("no HGMMA / QGMMA / WARPGROUP.DEPBAR: not a wgmma kernel's table")
 dep = depbar[0]
 top = end = None
 for r in data:

@@ -238,7 +238,7 @@ if [[ $what == sass ]]; then
   "$NCU" -i "$OUT/prof.ncu-rep" --page details > "$OUT/ncu-details.txt" 2>&1
   "$NCU" -i "$OUT/prof.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu-sass.csv" 2>&1
   grep -E "fm_|Duration|Eligible|Issued Warp|No Eligible|Active Warps|Warp Cycles Per Issued|DRAM Throughput|Registers" "$OUT/ncu-details.txt" | head -60
-  for k in fm_score_wg_fp8 fm_score_wg_bf16 fm_score_wg; do python3 .ci/fm-ncu-phases.py "$OUT/ncu-sass.csv" $k 2>/dev/null && break; done
+  for k in ${NCU_KERNELS:-fm_score_wg_fp8q fm_score_wg_fp8 fm_score_wg_bf16 fm_score_wg}; do python3 .ci/fm-ncu-phases.py "$OUT/ncu-sass.csv" $k --opcodes 2>/dev/null && break; done
 fi
 if [[ $what == profile ]]; then
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)

@@ -156,3 +156,34 @@ __device__ __forceinline__ void flush_hist(const u32* sh_hist, u32* hist) {
         if ((lane & 15u) == 0 && c) atomicAdd(&hist[FM_HIST + i / FM_FINE_PER_COARSE], c);
     }
 }
+
+// Development timeline of one call across its kernels (KVSWAP_FM_DEFINES=
+// -DFM_CTRACE, alone: FM_TRACE's per-phase atomics delay the scoring
+// kernel's end; the default build has none of it): %globaltimer stamps taken by
+// thread 0 of every block, the earliest or latest of each kind kept in fm_ct;
+// the last fm_order block to leave prints them for every 97th call (ns from
+// the first scoring block's start) and resets them. CT_EXIT stamps when the
+// block leaves by any return.
+#ifdef FM_CTRACE
+#define CT_SLOTS 8  // score entry min, max; score loop start max; score exit max; select past its wait min; select exit max; order past its wait min; order exit max
+__device__ unsigned long long fm_ct[CT_SLOTS] = {~0ull, 0, 0, 0, ~0ull, 0, ~0ull, 0};
+__device__ u32 fm_ct_done, fm_ct_calls;
+__device__ __forceinline__ unsigned long long ct_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#define CT_MIN(i) \
+    if (threadIdx.x == 0) atomicMin(&fm_ct[i], ct_now())
+#define CT_MAX(i) \
+    if (threadIdx.x == 0) atomicMax(&fm_ct[i], ct_now())
+struct CtExit {
+    u32 at;
+    __device__ ~CtExit() { CT_MAX(at); }
+};
+#define CT_EXIT(i) CtExit ct_exit_{i}
+#else
+#define CT_MIN(i)
+#define CT_MAX(i)
+#define CT_EXIT(i)
+#endif

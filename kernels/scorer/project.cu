@@ -292,18 +292,20 @@ FM_PROJECT(fm_project_f16_b8, F16, FM_PROJ_GROUP, FM_PROJ_KT, FM_PROJ_RPW8, (FM_
 // below 2^-6 by 2^-9. A row with a non-finite value is left as it is (the
 // scores are then non-finite: an error).
 // e of reference::fp8_query_exponent for a head whose largest |q| has the
-// finite bf16 bits `amax`: with amax = m' * 2^x, m' in [0.5, 1), and 448 =
-// 0.875 * 2^9, x - 9 when m' <= 0.875, else x - 8. A normal amax is
-// (1 + m/128) * 2^(E - 127): m' <= 0.875 is m <= 96 and x = E - 126; a
-// subnormal one goes through frexpf.
+// bf16 bits `amax` (0 for 0): with amax = m' * 2^x, m' in [0.5, 1), and 448 =
+// 0.875 * 2^9, x - 9 when m' <= 0.875, else x - 8. In integers, branch-free:
+// amax = M * 2^(Ee - 134) with M = 128 + mantissa and Ee = E for a normal
+// value, M = mantissa and Ee = 1 for a subnormal one; with M in [2^p,
+// 2^(p+1)), x = p + Ee - 133 and m' <= 0.875 is 4M <= 7 * 2^p (every finite
+// amax checked against the reference's frexp in NOTES s33). Bits of a
+// non-finite value give an e below 122.
 __device__ __forceinline__ int fp8q_exponent(u32 amax) {
-    const u32 E = amax >> 7, m = amax & 0x7fu;
-    if (amax == 0) return 0;
-    if (E == 0) {
-        int x;
-        return frexpf(bf16_to_f32((u16)amax), &x) <= 0.875f ? x - 9 : x - 8;
-    }
-    return (int)E - (m <= 96u ? 135 : 134);
+    const u32 E = amax >> 7;
+    const u32 M = E != 0 ? (0x80u | (amax & 0x7fu)) : max(amax, 1u);
+    const int p = 31 - __clz(M);
+    const int x = p + max((int)E, 1) - 133;
+    const int e = (M << 2) <= (7u << p) ? x - 9 : x - 8;
+    return amax != 0 ? e : 0;
 }
 __device__ __forceinline__ float e4m3_round(float x) {
     const float a = fabsf(x);

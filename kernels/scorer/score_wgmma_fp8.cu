@@ -99,6 +99,7 @@ __device__ __forceinline__ void wg8_issue(const u8* keys, const float* scales, u
 #define TR_PHASES 13
 __device__ unsigned long long fm_tr[TR_PHASES + 2];  // phases, warp-tiles, warps
 __device__ u32 fm_tr_calls;
+__device__ u32 fm_tr_kind;  // the kernel that filled fm_tr: 1 fm_score_wg_fp8, 2 fm_score_wg_fp8q
 #define TR_START u32 tr_t = (u32)clock();
 #define TR(i)                                                   \
     do {                                                        \
@@ -106,7 +107,7 @@ __device__ u32 fm_tr_calls;
         if (lane == 0) sh_tr[warp][i] += t_ - tr_t;             \
         tr_t = t_;                                              \
     } while (0)
-__device__ __forceinline__ void trace_flush(u32 (*sh_tr)[TR_PHASES], u32 my_tiles) {
+__device__ __forceinline__ void trace_flush(u32 (*sh_tr)[TR_PHASES], u32 my_tiles, u32 kind) {
     __syncthreads();
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
     if (lane == 0) {
@@ -114,13 +115,19 @@ __device__ __forceinline__ void trace_flush(u32 (*sh_tr)[TR_PHASES], u32 my_tile
         atomicAdd(&fm_tr[TR_PHASES], (unsigned long long)my_tiles);
         atomicAdd(&fm_tr[TR_PHASES + 1], 1ull);
     }
+    if (threadIdx.x == 0) fm_tr_kind = kind;
 }
 #define FM_TRACE_REPORT
 __device__ __forceinline__ void fm_trace_report() {
     volatile unsigned long long* t = fm_tr;
     if (t[TR_PHASES + 1] == 0) return;  // no fp8 scoring since the last report
     const double tiles = (double)t[TR_PHASES], warps = (double)t[TR_PHASES + 1];
-    if (fm_tr_calls++ % 97 == 0)
+    if (fm_tr_calls++ % 97 == 0 && fm_tr_kind == 2)
+        printf("FMTRACE fp8q cycles per warp: prologue+q-load %.0f quantize %.0f E+weights+sync %.0f | per warp-tile (%.2f tiles/warp): "
+               "wait+fence+barrier %.0f scales+issue %.0f turn %.0f mma-issue %.0f mma-wait %.0f epilogue %.0f | per warp: end %.0f flush %.0f\n",
+               t[0] / warps, t[1] / warps, t[2] / warps, tiles / warps, t[3] / tiles, t[4] / tiles, t[5] / tiles, t[6] / tiles, t[7] / tiles,
+               t[8] / tiles, t[10] / warps, t[11] / warps);
+    else if (fm_tr_calls % 97 == 1)
         printf("FMTRACE fp8 cycles per warp: prologue issue+prereq %.0f q-load+max %.0f q-store+sync %.0f | per warp-tile (%.2f tiles/warp): "
                "wait+barrier %.0f issue %.0f fragments %.0f turn %.0f mma-first %.0f mma-rest %.0f mma-wait %.0f epilogue %.0f | per warp: "
                "end barrier %.0f flush %.0f\n",
@@ -337,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
     flush_hist(sh_hist, S.hist);
 #ifdef FM_TRACE
     TR(11);
-    trace_flush(sh_tr, my_tiles);
+    trace_flush(sh_tr, my_tiles, 1);
 #endif
 }
 
@@ -366,6 +373,18 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
 static_assert(WG_STAGES * WG_ROWS * 4 <= 1024, "the scales of the ring fit its last KiB");
 static_assert(WG8Q_Q_BYTES % 1024 == 0, "the rings start 1024-aligned");
 
+// fm_score_wg_fp8q's head weights: column i = 8j + 2t + b (n-tile j, quad
+// lane t, b = 0, 1) at [(j / 2) * 16 + t * 4 + (j % 2) * 2 + b], so that
+// n-tiles 2m and 2m + 1 of quad lane t are one float4.
+__device__ __forceinline__ u32 wq_at(u32 i) {
+    const u32 j = i >> 3, t = (i >> 1) & 3u, b = i & 1u;
+    return (j >> 1) * 16u + t * 4u + (j & 1u) * 2u + b;
+}
+__device__ __forceinline__ float2 wq_weights(const float* sh_w, u32 lane, u32 j) {
+    const float4 w4 = *(const float4*)(sh_w + (j >> 1) * 16u + (lane & 3u) * 4u);  // both n-tiles' loads are one
+    return (j & 1u) ? make_float2(w4.z, w4.w) : make_float2(w4.x, w4.y);
+}
+
 // Two values (|v| <= 448) to e4m3, round to nearest even: lo in the low byte.
 __device__ __forceinline__ u32 f32x2_to_e4m3x2(float lo, float hi) {
     unsigned short r;
@@ -374,11 +393,22 @@ __device__ __forceinline__ u32 f32x2_to_e4m3x2(float lo, float hi) {
 }
 
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(ScoreBatch B, u32* err) {
+    CT_MIN(0);
+    CT_MAX(1);
+    CT_EXIT(3);
     extern __shared__ u8 wg_smem_raw[];
     __shared__ __align__(16) u32 sh_hist[FM_HIST];
-    __shared__ __align__(16) float sh_w[FM_QROWS];  // w_h * 2^(e_h - E) of each (scorer, head) column
+    // w_h * 2^(e_h - E) of each (scorer, head) column, in wq_at's order: the
+    // four weights a thread needs for n-tiles 2m and 2m + 1 side by side (one
+    // 16-byte load instead of two 8-byte ones).
+    __shared__ __align__(16) float sh_w[FM_QROWS];
     __shared__ int sh_e[FM_QROWS];
     __shared__ int sh_E[FM_SCORERS];
+#ifdef FM_TRACE
+    __shared__ u32 sh_tr[WG_THREADS / 32][TR_PHASES];  // lane 0 of each warp zeroes and sums its own row
+    if ((threadIdx.x & 31u) == 0)
+        for (u32 i = 0; i < TR_PHASES; ++i) sh_tr[threadIdx.x >> 5][i] = 0;
+#endif
     const u32 raw_addr = smem_addr(wg_smem_raw);
     u8* base = wg_smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
     u8* sh_q = base;
@@ -392,51 +422,74 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
     u8* ring = base + WG8Q_Q_BYTES + g * WG8Q_GROUP_BYTES;
     float* sc_ring = (float*)(ring + WG_STAGES * WG_RAW_BYTES);
 
+    TR_START
     const WgTiles T = wg_tiles(n, g);
     const u32 step = T.step, first = T.first, my_tiles = T.mine, next = T.next, next_turns = T.next_turns;
     // Tile 0 before waiting for the projection (keys are inputs of the
     // call, q and w its outputs), tile 1 once Q is quantized.
     wg8_issue(keys, S.scales, stride, n, t0, first * WG_ROWS, my_tiles > 0, ring, sc_ring);
     wait_prerequisites();
-    // Q: one warp per head row, four dims per lane; all of this warp's rows
-    // loaded before any is reduced.
-    constexpr u32 WARPS = WG_THREADS / 32, RPW = (FM_QROWS + WARPS - 1) / WARPS;
-    uint2 qv[RPW];
+    // Q: a quarter warp per head row (8 lanes of 16 dims: 32 bytes of bf16
+    // in, one 16-byte chunk of the swizzled e4m3 row out), so one warp
+    // instruction serves four rows and a row's exponent costs a few lanes'
+    // work, not a warp's; every load of this thread in flight before any is
+    // used. (A warp per row took ~960 instructions per warp: ~1 us of issue
+    // in a ~5 us prologue, NOTES s33.)
+    constexpr u32 WARPS = WG_THREADS / 32, QPASS = 4 * WARPS, NPASS = (FM_QROWS + QPASS - 1) / QPASS;
+    static_assert(FM_HEAD_DIM == 128, "8 lanes x 16 dims per row");
+    const u32 qlane = lane & 7u;
+    uint4 qv[NPASS][2];
 #pragma unroll
-    for (u32 j = 0; j < RPW; ++j) {
-        const u32 r = warp + j * WARPS;
-        qv[j] = r < FM_QROWS ? *(const uint2*)(S.q + (u64)r * FM_HEAD_DIM + lane * 4) : make_uint2(0, 0);
+    for (u32 j = 0; j < NPASS; ++j) {
+        const u32 r = min(j * QPASS + warp * 4 + (lane >> 3), FM_QROWS - 1u);  // past the last row: a copy of it, not stored
+        const uint4* src = (const uint4*)(S.q + (u64)r * FM_HEAD_DIM) + 2 * qlane;
+        qv[j][0] = src[0];
+        qv[j][1] = src[1];
     }
     for (u32 i = threadIdx.x; i < FM_HIST; i += WG_THREADS) sh_hist[i] = 0;
     float w_mine[(FM_QROWS + WG_THREADS - 1) / WG_THREADS];
 #pragma unroll
     for (u32 j = 0; j * WG_THREADS < FM_QROWS; ++j)
         w_mine[j] = threadIdx.x + j * WG_THREADS < FM_QROWS ? S.w[threadIdx.x + j * WG_THREADS] : 0.f;
+#ifdef FM_TRACE
+    if (qv[0][0].x == 0xffffffffu) sh_hist[0] = 1;  // waits for the first load
+#endif
+    TR(0);
 #pragma unroll
-    for (u32 j = 0; j < RPW; ++j) {
-        const u32 r = warp + j * WARPS;
-        if (r >= FM_QROWS) break;  // warp-uniform
-        const u32 x[4] = {qv[j].x & 0xffffu, qv[j].x >> 16, qv[j].y & 0xffffu, qv[j].y >> 16};
-        // Largest |q| as bf16 bits: monotonic for non-negative values, and
-        // above 0x7f80 (Inf, NaN) when the projection overflowed.
-        const u32 amax_bits = __reduce_max_sync(KVS_FULL_MASK, max(max(x[0] & 0x7fffu, x[1] & 0x7fffu), max(x[2] & 0x7fffu, x[3] & 0x7fffu)));
+    for (u32 j = 0; j < NPASS; ++j) {
+        const u32 r = j * QPASS + warp * 4 + (lane >> 3);
+        const u32 x[8] = {qv[j][0].x, qv[j][0].y, qv[j][0].z, qv[j][0].w, qv[j][1].x, qv[j][1].y, qv[j][1].z, qv[j][1].w};
+        // Largest |q| as bf16 bits (two per word, sign cleared): monotonic
+        // for non-negative values, above 0x7f80 (Inf, NaN) when the
+        // projection overflowed; over the row's 8 lanes.
+        u32 m2 = 0;
+#pragma unroll
+        for (u32 i = 0; i < 8; ++i) m2 = __vmaxu2(m2, x[i] & 0x7fff7fffu);
+        u32 amax_bits = max(m2 & 0xffffu, m2 >> 16);
+#pragma unroll
+        for (u32 o = 1; o < 8; o <<= 1) amax_bits = max(amax_bits, __shfl_xor_sync(KVS_FULL_MASK, amax_bits, o));
         const bool finite = amax_bits < 0x7f80u;
-        const int e = finite ? fp8q_exponent(amax_bits) : 0;
-        float v[4];
-        if (e >= -127 && e <= 126) {  // 2^-e is a normal float (warp-uniform branch)
-            const float f = __int_as_float((127 - e) << 23);
+        const int e = fp8q_exponent(amax_bits);  // < 122 (a non-finite row is marked below)
+        // q * 2^-e exactly, as q * 2^s * 2^(-e-s) with both factors normal
+        // floats: s = 64 when 2^-e is not one (e < -126: largest |q| under
+        // about 2^-117), else 0. No branch.
+        const int s = e < -126 ? 64 : 0;
+        const float up = __int_as_float((127 + s) << 23), down = __int_as_float((127 - e - s) << 23);
+        u32 packed[4];
 #pragma unroll
-            for (u32 i = 0; i < 4; ++i) v[i] = bf16_to_f32((u16)x[i]) * f;  // exact unless far below e4m3's range
-        } else {
-#pragma unroll
-            for (u32 i = 0; i < 4; ++i) v[i] = scalbnf(bf16_to_f32((u16)x[i]), -e);
+        for (u32 k = 0; k < 4; ++k) {  // dims 4k .. 4k + 3 of the lane's 16; exact unless far below e4m3's range
+            const float v0 = __uint_as_float(x[2 * k] << 16) * up * down, v1 = __uint_as_float(x[2 * k] & 0xffff0000u) * up * down;
+            const float v2 = __uint_as_float(x[2 * k + 1] << 16) * up * down, v3 = __uint_as_float(x[2 * k + 1] & 0xffff0000u) * up * down;
+            packed[k] = f32x2_to_e4m3x2(v0, v1) | (f32x2_to_e4m3x2(v2, v3) << 16);
         }
-        const u32 packed = f32x2_to_e4m3x2(v[0], v[1]) | (f32x2_to_e4m3x2(v[2], v[3]) << 16);
-        // Row r's bytes 4 * lane .. + 3: 16-byte chunk lane / 4 of the swizzled row.
-        *(u32*)(sh_q + r * 128u + (((lane >> 2) ^ (r & 7u)) << 4) + (lane & 3u) * 4u) = packed;
-        // A non-finite head is marked: its weight becomes NaN below.
-        if (lane == 0) sh_e[r] = !finite ? WG8Q_BAD_HEAD : (amax_bits == 0 ? WG8Q_ZERO_HEAD : e);
+        if (r < FM_QROWS) {
+            // The lane's 16 bytes: 16-byte chunk qlane of the swizzled row.
+            *(uint4*)(sh_q + r * 128u + ((qlane ^ (r & 7u)) << 4)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+            // A non-finite head is marked: its weight becomes NaN below.
+            if (qlane == 0) sh_e[r] = !finite ? WG8Q_BAD_HEAD : (amax_bits == 0 ? WG8Q_ZERO_HEAD : e);
+        }
     }
+    TR(1);
     __syncthreads();
     // E of each scorer: its heads' largest e (0 when every head is zero).
     for (u32 sc = warp; sc < FM_SCORERS; sc += WARPS) {
@@ -456,7 +509,15 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
             const int e = sh_e[i];
             // A head whose q is not finite scores NaN (an error, as the 16-bit
             // kernels' infinite dot products); an all-zero head scores 0.
-            sh_w[i] = e == WG8Q_BAD_HEAD ? __int_as_float(0x7fc00000) : e == WG8Q_ZERO_HEAD ? 0.f : scalbnf(w_mine[j], e - sh_E[i / FM_HEADS]);
+            // w * 2^(e - E): one multiply by a normal power of two, correctly
+            // rounded as scalbnf is, which is left for a factor below 2^-126.
+            const int de = e - sh_E[i / FM_HEADS];
+            float wi;
+            if (e == WG8Q_BAD_HEAD) wi = __int_as_float(0x7fc00000);
+            else if (e == WG8Q_ZERO_HEAD) wi = 0.f;
+            else if (de >= -126) wi = w_mine[j] * __int_as_float((127 + de) << 23);
+            else wi = scalbnf(w_mine[j], de);
+            sh_w[wq_at(i)] = wi;
         }
     }
     for (u32 i = 1; i < WG_STAGES - 1; ++i)
@@ -480,65 +541,88 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
 #pragma unroll
     for (u32 k = 0; k < FM_QROWS / 2; ++k) d[k] = 0.f;
     if (g == WG_GROUPS - 1 && T.first_turns > 0) turn_pass(WG_ORDER_BAR);  // warpgroup 0 goes first
+    TR(2);
+    CT_MAX(2);
     for (u32 i = 0; i < my_tiles; ++i) {
         const u32 c0 = (first + i * step) * WG_ROWS;
         u8* slot = ring + (i % WG_STAGES) * WG_RAW_BYTES;
         const float* sc = sc_ring + (i % WG_STAGES) * WG_ROWS;
         cp_async_wait_stages();  // tile i has landed (this thread's part)
+        fence_async_smem();      // this thread's cp.async writes -> tensor-core reads
         wg_barrier(g);           // ... every thread's part; tile i - 1 is consumed
+        TR(3);
+        // The chunk scales now, read while the turn and the MMAs go on.
+        const u32 chunks[2] = {c0 + ra, c0 + rb}, rows[2] = {ra, rb};
+        float scales[2];
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) scales[h] = chunks[h] < n ? sc[rows[h]] : 1.f;
         const u32 ahead = i + WG_STAGES - 1;
         wg8_issue(keys, S.scales, stride, n, t0, (first + ahead * step) * WG_ROWS, ahead < my_tiles, ring + (ahead % WG_STAGES) * WG_RAW_BYTES,
                   sc_ring + (ahead % WG_STAGES) * WG_ROWS);
-        fence_async_smem();  // cp.async writes -> tensor-core reads
-        wg_barrier(g);
+        TR(4);
         turn_wait(WG_ORDER_BAR + g);
+        TR(5);
         const u64 da0 = gmma_desc(smem_addr(slot));
         wgmma_fence();
 #pragma unroll
         for (u32 ks = 0; ks < FM_HEAD_DIM / 32; ++ks) wgmma8_row(d, da0 + ks * 2u, db0 + ks * 2u, ks > 0 ? 1u : 0u);  // +32 bytes
         wgmma_commit();
         if (i < next_turns) turn_pass(WG_ORDER_BAR + next);
-        const u32 chunks[2] = {c0 + ra, c0 + rb}, rows[2] = {ra, rb};
-        float scales[2];
-#pragma unroll
-        for (u32 h = 0; h < 2; ++h) scales[h] = chunks[h] < n ? sc[rows[h]] : 1.f;
+        TR(6);
         wgmma_wait0();
+        TR(7);
 
-        if (__all_sync(KVS_FULL_MASK, scales[0] > 0.f && scales[0] <= 3.40282347e38f && scales[1] > 0.f && scales[1] <= 3.40282347e38f)) {
-            // relu(scale * x) = scale * relu(x) for scale > 0: the scale and
-            // 2^E multiply each scorer's sum once.
+        // The common case: every scale of the warp's rows positive and finite
+        // and every c = scale * 2^E a normal float (exact then), so
+        // relu(scale * x) = scale * relu(x) lets c multiply each scorer's sum
+        // once: one multiply, no other path issued beside it.
+        float c[2][FM_SCORERS];
+        bool fast = true;
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            fast &= scales[h] > 0.f && scales[h] <= 3.40282347e38f;
+#pragma unroll
+            for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
+                c[h][sc] = scales[h] * p2E[sc];
+                fast &= c[h][sc] >= 1.17549435e-38f && c[h][sc] <= 3.40282347e38f;
+            }
+        }
+        if (__all_sync(KVS_FULL_MASK, fast)) {
             float ens[2];
             bool finite[2];
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) finite[h] = isfinite(d[2 * h]);
             head_sums<2>(
-                d, 0, [&](u32 j) { return sh_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
-                [&](u32 h, u32 s, float si) {
-                    const float c = scales[h] * p2E[s];  // exact when normal
-                    return c >= 1.17549435e-38f && c <= 3.40282347e38f ? si * c : scalbnf(si * scales[h], E[s]);
-                },
-                mean, ens, finite);
+                d, 0, [&](u32 j) { return wq_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
+                [&](u32 h, u32 s, float si) { return si * c[h][s]; }, mean, ens, finite);
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], lane, S, sh_hist, bad, bad_chunk);
+            TR(8);
             continue;
         }
-        // Any scale (zero, negative, non-finite): per element.
+        // Any other scale (zero, negative, non-finite, or c not normal): per element.
 #pragma unroll
         for (u32 half = 0; half < 2; ++half) {
             const float scale = scales[half];
             bool finite = isfinite(d[2 * half]) && isfinite(scale);
             float ens;
             head_sums<1>(
-                d, half, [&](u32 j) { return sh_weights(sh_w, lane, j); }, [&](u32, float a) { return a * scale; },
+                d, half, [&](u32 j) { return wq_weights(sh_w, lane, j); }, [&](u32, float a) { return a * scale; },
                 [&](u32, u32 s, float si) { return scalbnf(si, E[s]); }, mean, &ens, &finite);
             wg_file_score(ens, finite, chunks[half] < n, chunks[half], lane, S, sh_hist, bad, bad_chunk);
         }
+        TR(8);
     }
     cp_async_wait_all();
     if (bad) record_error(err, FM_ERR_SCORE, bad_chunk, B.id[blockIdx.y]);
     allow_dependents();
     __syncthreads();
+    TR(10);
     flush_hist(sh_hist, S.hist);
+#ifdef FM_TRACE
+    TR(11);
+    trace_flush(sh_tr, my_tiles, 2);
+#endif
 }
 #endif  // FM_HEAD_DIM == 128
 #endif  // FM_WGMMA, FM_HEAD_DIM 64 or 128

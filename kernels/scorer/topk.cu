@@ -300,6 +300,8 @@ __device__ __forceinline__ void narrow_topk(At keys, u32 m, u32 want, int shift,
 extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBatch B, const u32* err) {
     __shared__ u32 s_base_sure, s_base_tie;
     wait_prerequisites();  // skey and hist come from the scoring kernel
+    CT_MIN(4);
+    CT_EXIT(5);
     allow_dependents();
     const SelectSeq& S = B.seq[blockIdx.y];
     const u32 n = S.n;
@@ -509,6 +511,26 @@ extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBa
     __shared__ u64 keys[FM_ORDER_MAX];
     __shared__ u32 part[FM_ORDER_SLICES][FM_ORDER_CANDS];
     wait_prerequisites();  // fm_select has filed and published the candidates
+    CT_MIN(6);
+#ifdef FM_CTRACE
+    struct CtLast {  // after every block's stamps: the last block prints
+        __device__ ~CtLast() {
+            if (threadIdx.x != 0) return;
+            atomicMax(&fm_ct[7], ct_now());
+            __threadfence();
+            if (atomicAdd(&fm_ct_done, 1u) != gridDim.x * gridDim.y - 1) return;
+            fm_ct_done = 0;
+            volatile unsigned long long* t = fm_ct;
+            const double t0 = (double)t[0];
+            if (t[0] != ~0ull && fm_ct_calls++ % 97 == 5)  // calls of a kernel with stamps (fm_score_wg_fp8q)
+                printf("FMCALL ns from the first score block: score blocks start by %.0f, loops start by %.0f, score end %.0f | select past wait %.0f, "
+                       "end %.0f | order past wait %.0f, end %.0f\n",
+                       t[1] - t0, t[2] - t0, t[3] - t0, t[4] - t0, t[5] - t0, t[6] - t0, t[7] - t0);
+            t[0] = t[4] = t[6] = ~0ull;
+            t[1] = t[2] = t[3] = t[5] = t[7] = 0;
+        }
+    } ct_last_;
+#endif
     const SelectSeq& S = B.seq[blockIdx.y];
     const u32 want = min(B.k, S.n);
     const u64 filed = __ldcg(&S.st->filed);
