@@ -556,9 +556,6 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
         float scales[2];
 #pragma unroll
         for (u32 h = 0; h < 2; ++h) scales[h] = chunks[h] < n ? sc[rows[h]] : 1.f;
-        const u32 ahead = i + WG_STAGES - 1;
-        wg8_issue(keys, S.scales, stride, n, t0, (first + ahead * step) * WG_ROWS, ahead < my_tiles, ring + (ahead % WG_STAGES) * WG_RAW_BYTES,
-                  sc_ring + (ahead % WG_STAGES) * WG_ROWS);
         TR(4);
         turn_wait(WG_ORDER_BAR + g);
         TR(5);
@@ -568,6 +565,11 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
         for (u32 ks = 0; ks < FM_HEAD_DIM / 32; ++ks) wgmma8_row(d, da0 + ks * 2u, db0 + ks * 2u, ks > 0 ? 1u : 0u);  // +32 bytes
         wgmma_commit();
         if (i < next_turns) turn_pass(WG_ORDER_BAR + next);
+        // The refill of the slot tile i - 1 used (every warp is past this
+        // tile's barrier, so done with it) while this tile's MMAs run.
+        const u32 ahead = i + WG_STAGES - 1;
+        wg8_issue(keys, S.scales, stride, n, t0, (first + ahead * step) * WG_ROWS, ahead < my_tiles, ring + (ahead % WG_STAGES) * WG_RAW_BYTES,
+                  sc_ring + (ahead % WG_STAGES) * WG_ROWS);
         TR(6);
         wgmma_wait0();
         TR(7);
