@@ -186,7 +186,7 @@ __device__ __forceinline__ u32 raw_at(u32 r, u32 c) { return r * FM_HEAD_DIM + (
 __device__ __forceinline__ void cp_async16_stream(u32 saddr, const void* g) {
     u64 policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(saddr), "l"(g), "l"(policy));
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(saddr), "l"(g), "l"(policy) : "memory");
 }
 
 // Starts the copy of rows [c0, c0 + WG_ROWS) of PER_ROW 16-byte chunks each

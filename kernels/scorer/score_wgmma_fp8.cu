@@ -393,8 +393,6 @@ __device__ __forceinline__ u32 f32x2_to_e4m3x2(float lo, float hi) {
 }
 
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(ScoreBatch B, u32* err) {
-    CT_MIN(0);
-    CT_MAX(1);
     CT_EXIT(3);
     extern __shared__ u8 wg_smem_raw[];
     __shared__ __align__(16) u32 sh_hist[FM_HIST];
@@ -429,6 +427,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
     // call, q and w its outputs), tile 1 once Q is quantized.
     wg8_issue(keys, S.scales, stride, n, t0, first * WG_ROWS, my_tiles > 0, ring, sc_ring);
     wait_prerequisites();
+    CT_MIN(0);  // past the wait: a call's stamps come after the last call's fm_order reset them
+    CT_MAX(1);
     // Q: a quarter warp per head row (8 lanes of 16 dims: 32 bytes of bf16
     // in, one 16-byte chunk of the swizzled e4m3 row out), so one warp
     // instruction serves four rows and a row's exponent costs a few lanes'
@@ -452,7 +452,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
     for (u32 j = 0; j * WG_THREADS < FM_QROWS; ++j)
         w_mine[j] = threadIdx.x + j * WG_THREADS < FM_QROWS ? S.w[threadIdx.x + j * WG_THREADS] : 0.f;
 #ifdef FM_TRACE
-    if (qv[0][0].x == 0xffffffffu) sh_hist[0] = 1;  // waits for the first load
+    asm volatile("" ::"r"(qv[0][0].x));  // waits for the first load
 #endif
     TR(0);
 #pragma unroll
@@ -511,12 +511,13 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
             // kernels' infinite dot products); an all-zero head scores 0.
             // w * 2^(e - E): one multiply by a normal power of two, correctly
             // rounded as scalbnf is, which is left for a factor below 2^-126.
-            const int de = e - sh_E[i / FM_HEADS];
             float wi;
             if (e == WG8Q_BAD_HEAD) wi = __int_as_float(0x7fc00000);
             else if (e == WG8Q_ZERO_HEAD) wi = 0.f;
-            else if (de >= -126) wi = w_mine[j] * __int_as_float((127 + de) << 23);
-            else wi = scalbnf(w_mine[j], de);
+            else {
+                const int de = e - sh_E[i / FM_HEADS];  // <= 0
+                wi = de >= -126 ? w_mine[j] * __int_as_float((127 + de) << 23) : scalbnf(w_mine[j], de);
+            }
             sh_w[wq_at(i)] = wi;
         }
     }

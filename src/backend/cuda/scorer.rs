@@ -841,10 +841,15 @@ impl CudaScorer {
     /// grows with context (benchmarks).
     ///
     /// # Safety
-    /// As `score_topk`; `qw[i]` are device buffers of those sizes.
+    /// As `score_topk`; `qw[i]` are device buffers of those sizes, q
+    /// 16-byte aligned (the kernels load it in 16-byte pieces; allocations
+    /// are).
     pub unsafe fn score_with_qw(&self, seqs: &[SeqRef], qw: &[(u64, u64)], k: usize, mode: impl Into<ScoreMode>, stream: StreamHandle) -> Result<()> {
         for q in seqs {
             args::check_n_chunks(q.n_chunks)?;
+        }
+        if let Some(&(q, _)) = qw.iter().find(|&&(q, _)| q % 16 != 0) {
+            return Err(Error::new(KvswapStatus::InvalidArgument, format!("score_with_qw: q at {q:#x} is not 16-byte aligned")));
         }
         // SAFETY: forwarded.
         unsafe { self.run(seqs, Some(qw), k, mode.into(), stream) }
