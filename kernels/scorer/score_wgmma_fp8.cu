@@ -385,6 +385,36 @@ __device__ __forceinline__ float2 wq_weights(const float* sh_w, u32 lane, u32 j)
     return (j & 1u) ? make_float2(w4.z, w4.w) : make_float2(w4.x, w4.y);
 }
 
+#ifdef FM_Q8_TC_HEADSUM
+// Development (KVSWAP_FM_DEFINES=-DFM_Q8_TC_HEADSUM, not measured yet): the
+// fast path's head sums on the tensor cores. relu(x) of the accumulators,
+// rounded to bf16 two at a time (one cvt.rn.relu.bf16x2 per pair), is the A
+// operand of an mma.sync m16n8k16 whose B holds each scorer's head weights
+// split into bf16 hi and lo parts (columns 2s and 2s + 1 of scorer s; zero
+// outside its heads): the accumulators' fragment layout is the A fragment
+// layout, so no data moves between lanes. Error per term: bf16 rounding of
+// relu(x) (<= 2^-9 relative) and of the weights (~2^-17), inside the
+// GPU-vs-reference tolerance's 2u = 2^-7 (tests/scorer_gpu.rs).
+__device__ __forceinline__ u32 relu_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ u32 bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+// B fragment value of the head-sum MMA: column n (scorer n / 2, its weight's
+// hi part for even n, lo part for odd n) of K row `col` ((scorer, head)
+// column of the scores), from that column's weight w.
+__device__ __forceinline__ float tc_weight(u32 n, u32 col, float w) {
+    if (n / 2 != col / FM_HEADS) return 0.f;
+    const float hi = bf16_to_f32(f32_to_bf16(w));
+    return n % 2 == 0 ? hi : w - hi;  // w - hi is exact; rounded to bf16 when packed
+}
+#endif
+
 // Two values (|v| <= 448) to e4m3, round to nearest even: lo in the low byte.
 __device__ __forceinline__ u32 f32x2_to_e4m3x2(float lo, float hi) {
     unsigned short r;
@@ -402,6 +432,10 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
     __shared__ __align__(16) float sh_w[FM_QROWS];
     __shared__ int sh_e[FM_QROWS];
     __shared__ int sh_E[FM_SCORERS];
+#ifdef FM_Q8_TC_HEADSUM
+    static_assert(FM_SCORERS <= 4, "hi and lo columns of every scorer in n8");
+    __shared__ uint2 sh_wb[FM_QROWS / 16][32];  // the head-sum MMA's B fragment per k-step and lane
+#endif
 #ifdef FM_TRACE
     __shared__ u32 sh_tr[WG_THREADS / 32][TR_PHASES];  // lane 0 of each warp zeroes and sums its own row
     if ((threadIdx.x & 31u) == 0)
@@ -525,6 +559,16 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
         wg8_issue(keys, S.scales, stride, n, t0, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * WG_RAW_BYTES, sc_ring + i * WG_ROWS);
     fence_async_smem();  // Q (generic stores) -> tensor-core reads
     __syncthreads();
+#ifdef FM_Q8_TC_HEADSUM
+    // B fragments (m16n8k16, col): lane l holds column l / 4 at K rows
+    // 2 (l % 4) + {0, 1} and + 8, + 9 of each k-step; weights from sh_w.
+    for (u32 i = threadIdx.x; i < FM_QROWS / 16 * 32; i += WG_THREADS) {
+        const u32 k = i / 32, l = i % 32, n = l / 4, c0 = 16 * k + 2 * (l % 4);
+        auto w = [&](u32 col) { return tc_weight(n, col, sh_w[wq_at(col)]); };
+        sh_wb[k][l] = make_uint2(bf16x2(w(c0), w(c0 + 1)), bf16x2(w(c0 + 8), w(c0 + 9)));
+    }
+    __syncthreads();
+#endif
     // E per scorer, and 2^E as a float where that is a normal number (else 0,
     // which sends every row of the scorer to the scalbnf path below).
     int E[FM_SCORERS];
@@ -534,6 +578,13 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
         E[sc] = sh_E[sc];
         p2E[sc] = E[sc] >= -126 && E[sc] <= 127 ? __int_as_float((127 + E[sc]) << 23) : 0.f;
     }
+#ifdef FM_Q8_TC_HEADSUM
+    const u32 tq = lane & 3u;  // this lane's scorer in the head-sum MMA's output (none when >= FM_SCORERS)
+    float p2E_mine = 0.f;
+#pragma unroll
+    for (u32 sc = 0; sc < FM_SCORERS; ++sc)
+        if (tq == sc) p2E_mine = p2E[sc];
+#endif
     bool bad = false;
     u32 bad_chunk = 0;
     const u64 db0 = gmma_desc(smem_addr(sh_q));
@@ -595,9 +646,38 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
             bool finite[2];
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) finite[h] = isfinite(d[2 * h]);
+#ifdef FM_Q8_TC_HEADSUM
+            // Two accumulator chains (even and odd k-steps), each holding every
+            // scorer's columns: lane tq gets scorer tq's hi and lo sums.
+            float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+            for (u32 k = 0; k < FM_QROWS / 16; ++k) {
+                const u32 a[4] = {relu_bf16x2(d[8 * k], d[8 * k + 1]), relu_bf16x2(d[8 * k + 2], d[8 * k + 3]),
+                                  relu_bf16x2(d[8 * k + 4], d[8 * k + 5]), relu_bf16x2(d[8 * k + 6], d[8 * k + 7])};
+                const uint2 b = sh_wb[k][lane];
+                mma_bf16(acc[k & 1], a, b.x, b.y);
+            }
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                const bool mine = tq < FM_SCORERS;
+                const float v = ((acc[0][2 * h] + acc[0][2 * h + 1]) + (acc[1][2 * h] + acc[1][2 * h + 1])) * (scales[h] * p2E_mine);
+                // The ensemble over the quad's lanes 0 .. FM_SCORERS - 1.
+                float x = mine ? v : (mean ? 0.f : __int_as_float(0xff800000));
+                u32 ok = !mine || isfinite(v);
+#pragma unroll
+                for (u32 o = 1; o < 4; o <<= 1) {
+                    const float y = __shfl_xor_sync(KVS_FULL_MASK, x, o);
+                    x = mean ? x + y : fmaxf(x, y);
+                    ok &= __shfl_xor_sync(KVS_FULL_MASK, ok, o);
+                }
+                ens[h] = mean ? x * (1.f / FM_SCORERS) : x;
+                finite[h] = finite[h] && ok;
+            }
+#else
             head_sums<2>(
                 d, 0, [&](u32 j) { return wq_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
                 [&](u32 h, u32 s, float si) { return si * c[h][s]; }, mean, ens, finite);
+#endif
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], lane, S, sh_hist, bad, bad_chunk);
             TR(8);
