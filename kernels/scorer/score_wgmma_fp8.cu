@@ -385,7 +385,12 @@ __device__ __forceinline__ float2 wq_weights(const float* sh_w, u32 lane, u32 j)
     return (j & 1u) ? make_float2(w4.z, w4.w) : make_float2(w4.x, w4.y);
 }
 
-#ifdef FM_Q8_TC_HEADSUM
+// FM_Q8_TC: FM_Q8_TC_HEADSUM where the hi and lo columns of every scorer fit
+// the MMA's 8 columns (up to 4 scorers); other shapes keep the FMA path.
+#if defined(FM_Q8_TC_HEADSUM) && FM_SCORERS <= 4
+#define FM_Q8_TC 1
+#endif
+#ifdef FM_Q8_TC
 // Development (KVSWAP_FM_DEFINES=-DFM_Q8_TC_HEADSUM, not measured yet): the
 // fast path's head sums on the tensor cores. relu(x) of the accumulators,
 // rounded to bf16 two at a time (one cvt.rn.relu.bf16x2 per pair), is the A
@@ -393,8 +398,9 @@ __device__ __forceinline__ float2 wq_weights(const float* sh_w, u32 lane, u32 j)
 // split into bf16 hi and lo parts (columns 2s and 2s + 1 of scorer s; zero
 // outside its heads): the accumulators' fragment layout is the A fragment
 // layout, so no data moves between lanes. Error per term: bf16 rounding of
-// relu(x) (<= 2^-9 relative) and of the weights (~2^-17), inside the
-// GPU-vs-reference tolerance's 2u = 2^-7 (tests/scorer_gpu.rs).
+// relu(x) (<= u = 2^-8 relative) and of the weights (<= 2^-15 after the
+// hi/lo split), within the GPU-vs-reference tolerance's 2u = 2^-7
+// (tests/scorer_gpu.rs), of which it takes half.
 __device__ __forceinline__ u32 relu_bf16x2(float lo, float hi) {
     u32 r;
     asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -410,8 +416,11 @@ __device__ __forceinline__ u32 bf16x2(float lo, float hi) {
 // column of the scores), from that column's weight w.
 __device__ __forceinline__ float tc_weight(u32 n, u32 col, float w) {
     if (n / 2 != col / FM_HEADS) return 0.f;
-    const float hi = bf16_to_f32(f32_to_bf16(w));
-    return n % 2 == 0 ? hi : w - hi;  // w - hi is exact; rounded to bf16 when packed
+    // hi by truncation (rounding could carry a weight near the f32 maximum
+    // to Inf, and 0 * Inf is NaN); w - hi is exact, |w - hi| < 2^-7 |w|, and
+    // rounded to bf16 when packed. A NaN weight stays NaN in hi or lo.
+    const float hi = __uint_as_float(__float_as_uint(w) & 0xffff0000u);
+    return n % 2 == 0 ? hi : w - hi;
 }
 #endif
 
@@ -432,8 +441,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
     __shared__ __align__(16) float sh_w[FM_QROWS];
     __shared__ int sh_e[FM_QROWS];
     __shared__ int sh_E[FM_SCORERS];
-#ifdef FM_Q8_TC_HEADSUM
-    static_assert(FM_SCORERS <= 4, "hi and lo columns of every scorer in n8");
+#ifdef FM_Q8_TC
     __shared__ uint2 sh_wb[FM_QROWS / 16][32];  // the head-sum MMA's B fragment per k-step and lane
 #endif
 #ifdef FM_TRACE
@@ -559,7 +567,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
         wg8_issue(keys, S.scales, stride, n, t0, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * WG_RAW_BYTES, sc_ring + i * WG_ROWS);
     fence_async_smem();  // Q (generic stores) -> tensor-core reads
     __syncthreads();
-#ifdef FM_Q8_TC_HEADSUM
+#ifdef FM_Q8_TC
     // B fragments (m16n8k16, col): lane l holds column l / 4 at K rows
     // 2 (l % 4) + {0, 1} and + 8, + 9 of each k-step; weights from sh_w.
     for (u32 i = threadIdx.x; i < FM_QROWS / 16 * 32; i += WG_THREADS) {
@@ -578,7 +586,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
         E[sc] = sh_E[sc];
         p2E[sc] = E[sc] >= -126 && E[sc] <= 127 ? __int_as_float((127 + E[sc]) << 23) : 0.f;
     }
-#ifdef FM_Q8_TC_HEADSUM
+#ifdef FM_Q8_TC
     const u32 tq = lane & 3u;  // this lane's scorer in the head-sum MMA's output (none when >= FM_SCORERS)
     float p2E_mine = 0.f;
 #pragma unroll
@@ -646,7 +654,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
             bool finite[2];
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) finite[h] = isfinite(d[2 * h]);
-#ifdef FM_Q8_TC_HEADSUM
+#ifdef FM_Q8_TC
             // Two accumulator chains (even and odd k-steps), each holding every
             // scorer's columns: lane tq gets scorer tq's hi and lo sums.
             float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};

@@ -573,13 +573,14 @@ impl CudaScorer {
         let fp8_query = optional("fm_fp8_query", wide)?;
         // fm_score_wg_fp8q: Q in e4m3 + per warpgroup WG_STAGES raw tiles and
         // a KiB of their scales, + 1024 alignment slack; its histogram, head
-        // weights and exponents are static.
+        // weights, exponents, 2^E and (FM_Q8_TC_HEADSUM) the head-sum MMA's
+        // B fragments are static.
         let fp8q_smem = (s * h * d + WG_GROUPS * (WG_STAGES * 64 * d + 1024) + 1024) as u32;
         let score_fp8q = if wgmma
             && d == 128
             && forced != "wgmma-convert"
             && forced != "wgmma-f16"
-            && (fp8q_smem as usize + HIST * 4 + s * h * 8 + s * 4) as i32 <= dev.smem_optin
+            && (fp8q_smem as usize + HIST * 4 + s * h * 8 + s * 8 + s * h * 16) as i32 <= dev.smem_optin
         {
             match optional("fm_score_wg_fp8q", wide)? {
                 Some(k) => {
