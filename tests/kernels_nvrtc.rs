@@ -44,13 +44,25 @@ fn every_kernel_compiles() {
                 .unwrap_or_else(|e| panic!("scorer wgmma {s}x{h}x{d}: {e}"));
         }
     }
-    // The development timelines (KVSWAP_FM_DEFINES: fm_score_wg_fp8's
-    // -DFM_TRACE, fm_order's merge tree -DFM_OTRACE) keep compiling.
-    let opts: Vec<String> = ["-DFM_SCORERS=3", "-DFM_HEADS=64", "-DFM_HEAD_DIM=128", "-DFM_WGMMA", "--gpu-architecture=sm_90a", "-DFM_TRACE", "-DFM_OTRACE"]
-        .iter()
-        .map(|o| o.to_string())
-        .collect();
-    nvrtc::compile_with("scorer.cu", kvswap::kernels::SCORER_CU, (9, 0), &opts).unwrap_or_else(|e| panic!("scorer with the timelines: {e}"));
+    // The development switches (KVSWAP_FM_DEFINES) keep compiling: the
+    // timelines (the fp8 kernels' -DFM_TRACE, fm_order's merge tree
+    // -DFM_OTRACE, the call timeline -DFM_CTRACE) and fm_score_wg_fp8q's
+    // tensor-core head sums (-DFM_Q8_TC_HEADSUM, which 8 scorers leave on the
+    // FMA path).
+    let dev: [(&str, (u32, u32, u32)); 6] = [
+        ("-DFM_TRACE -DFM_OTRACE", (3, 64, 128)),
+        ("-DFM_CTRACE", (3, 64, 128)),
+        ("-DFM_Q8_TC_HEADSUM", (3, 64, 128)),
+        ("-DFM_Q8_TC_HEADSUM", (1, 64, 128)),
+        ("-DFM_Q8_TC_HEADSUM", (4, 64, 128)),
+        ("-DFM_Q8_TC_HEADSUM", (8, 8, 128)),
+    ];
+    for (defines, (s, h, d)) in dev {
+        let mut opts = vec![format!("-DFM_SCORERS={s}"), format!("-DFM_HEADS={h}"), format!("-DFM_HEAD_DIM={d}")];
+        opts.extend(["-DFM_WGMMA", "--gpu-architecture=sm_90a"].map(String::from));
+        opts.extend(defines.split(' ').map(String::from));
+        nvrtc::compile_with("scorer.cu", kvswap::kernels::SCORER_CU, (9, 0), &opts).unwrap_or_else(|e| panic!("scorer {s}x{h}x{d} with {defines}: {e}"));
+    }
 }
 
 #[test]
