@@ -378,6 +378,16 @@ __device__ __forceinline__ float wg_row_score_scaled(const float* d, u32 half, c
     return ens;
 }
 
+// The end of a wgmma scoring kernel's loop, before its histogram flush: the
+// copies drained, a non-finite score recorded (the first chunk this thread
+// saw), the next kernel let in, and every thread's histogram counts in.
+__device__ __forceinline__ void wg_scores_done(const ScoreBatch& B, u32* err, bool bad, u32 bad_chunk) {
+    cp_async_wait_all();
+    if (bad) record_error(err, FM_ERR_SCORE, bad_chunk, B.id[blockIdx.y]);
+    allow_dependents();
+    __syncthreads();
+}
+
 // Grid: (blocks per sequence, sequences), WG_GROUPS warpgroups (WG_THREADS
 // threads), dynamic shared memory: Q + per warpgroup a ring of WG_STAGES
 // tiles (bf16: compute tiles; fp8: raw tiles plus one compute tile; f32: one
@@ -531,10 +541,7 @@ __device__ __forceinline__ void score_wg(const ScoreBatch& B, u32* err) {
             wg_file_score(ens, finite, in, chunk, lane, S, sh_hist, bad, bad_chunk);
         }
     }
-    cp_async_wait_all();
-    if (bad) record_error(err, FM_ERR_SCORE, bad_chunk, B.id[blockIdx.y]);
-    allow_dependents();
-    __syncthreads();
+    wg_scores_done(B, err, bad, bad_chunk);
     flush_hist(sh_hist, S.hist);
 }
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_bf16(ScoreBatch B, u32* err) { score_wg<FM_KEYS_BF16>(B, err); }

@@ -90,8 +90,8 @@ __device__ __forceinline__ void wg8_issue(const u8* keys, const float* scales, u
     cp_async_commit();
 }
 
-// Development timeline of fm_score_wg_fp8 (KVSWAP_FM_DEFINES=-DFM_TRACE; the
-// default build has none of it): SM cycles per phase, summed by lane 0 of
+// Development timeline of fm_score_wg_fp8 and fm_score_wg_fp8q (each with its
+// own phases; KVSWAP_FM_DEFINES=-DFM_TRACE; the default build has none of it): SM cycles per phase, summed by lane 0 of
 // every warp in shared memory, then over the grid in fm_tr; fm_order, the
 // last kernel of a call, prints the sums of every 97th call and resets them
 // (a printf here would make ptxas serialise the MMAs).
@@ -122,17 +122,19 @@ __device__ __forceinline__ void fm_trace_report() {
     volatile unsigned long long* t = fm_tr;
     if (t[TR_PHASES + 1] == 0) return;  // no fp8 scoring since the last report
     const double tiles = (double)t[TR_PHASES], warps = (double)t[TR_PHASES + 1];
-    if (fm_tr_calls++ % 97 == 0 && fm_tr_kind == 2)
-        printf("FMTRACE fp8q cycles per warp: prologue+q-load %.0f quantize %.0f E+weights+sync %.0f | per warp-tile (%.2f tiles/warp): "
-               "wait+fence+barrier %.0f scales+issue %.0f turn %.0f mma-issue %.0f mma-wait %.0f epilogue %.0f | per warp: end %.0f flush %.0f\n",
-               t[0] / warps, t[1] / warps, t[2] / warps, tiles / warps, t[3] / tiles, t[4] / tiles, t[5] / tiles, t[6] / tiles, t[7] / tiles,
-               t[8] / tiles, t[10] / warps, t[11] / warps);
-    else if (fm_tr_calls % 97 == 1)
-        printf("FMTRACE fp8 cycles per warp: prologue issue+prereq %.0f q-load+max %.0f q-store+sync %.0f | per warp-tile (%.2f tiles/warp): "
-               "wait+barrier %.0f issue %.0f fragments %.0f turn %.0f mma-first %.0f mma-rest %.0f mma-wait %.0f epilogue %.0f | per warp: "
-               "end barrier %.0f flush %.0f\n",
-               t[0] / warps, t[1] / warps, t[2] / warps, tiles / warps, t[3] / tiles, t[4] / tiles, t[5] / tiles, t[6] / tiles,
-               t[12] / tiles, t[7] / tiles, t[8] / tiles, t[9] / tiles, t[10] / warps, t[11] / warps);
+    if (fm_tr_calls++ % 97 == 0) {
+        if (fm_tr_kind == 2)
+            printf("FMTRACE fp8q cycles per warp: prologue+q-load %.0f quantize %.0f E+weights+sync %.0f | per warp-tile (%.2f tiles/warp): "
+                   "wait+fence+barrier %.0f scales %.0f turn %.0f mma-issue+refill %.0f mma-wait %.0f epilogue %.0f | per warp: end %.0f flush %.0f\n",
+                   t[0] / warps, t[1] / warps, t[2] / warps, tiles / warps, t[3] / tiles, t[4] / tiles, t[5] / tiles, t[6] / tiles, t[7] / tiles,
+                   t[8] / tiles, t[10] / warps, t[11] / warps);
+        else
+            printf("FMTRACE fp8 cycles per warp: prologue issue+prereq %.0f q-load+max %.0f q-store+sync %.0f | per warp-tile (%.2f tiles/warp): "
+                   "wait+barrier %.0f issue %.0f fragments %.0f turn %.0f mma-first %.0f mma-rest %.0f mma-wait %.0f epilogue %.0f | per warp: "
+                   "end barrier %.0f flush %.0f\n",
+                   t[0] / warps, t[1] / warps, t[2] / warps, tiles / warps, t[3] / tiles, t[4] / tiles, t[5] / tiles, t[6] / tiles,
+                   t[12] / tiles, t[7] / tiles, t[8] / tiles, t[9] / tiles, t[10] / warps, t[11] / warps);
+    }
     for (u32 i = 0; i < TR_PHASES + 2; ++i) t[i] = 0;
 }
 #else
@@ -336,10 +338,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
         }
         TR(9);
     }
-    cp_async_wait_all();
-    if (bad) record_error(err, FM_ERR_SCORE, bad_chunk, B.id[blockIdx.y]);
-    allow_dependents();
-    __syncthreads();
+    wg_scores_done(B, err, bad, bad_chunk);
     TR(10);
     flush_hist(sh_hist, S.hist);
 #ifdef FM_TRACE
@@ -704,10 +703,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
         }
         TR(8);
     }
-    cp_async_wait_all();
-    if (bad) record_error(err, FM_ERR_SCORE, bad_chunk, B.id[blockIdx.y]);
-    allow_dependents();
-    __syncthreads();
+    wg_scores_done(B, err, bad, bad_chunk);
     TR(10);
     flush_hist(sh_hist, S.hist);
 #ifdef FM_TRACE
