@@ -100,6 +100,11 @@ __device__ __forceinline__ void wg8_issue(const u8* keys, const float* scales, u
 __device__ unsigned long long fm_tr[TR_PHASES + 2];  // phases, warp-tiles, warps
 __device__ u32 fm_tr_calls;
 __device__ u32 fm_tr_kind;  // the kernel that filled fm_tr: 1 fm_score_wg_fp8, 2 fm_score_wg_fp8q
+// Each warp's sums in shared memory: lane 0 zeroes and sums its own row.
+#define TR_SHARED                                          \
+    __shared__ u32 sh_tr[WG_THREADS / 32][TR_PHASES];      \
+    if ((threadIdx.x & 31u) == 0)                          \
+        for (u32 i = 0; i < TR_PHASES; ++i) sh_tr[threadIdx.x >> 5][i] = 0;
 #define TR_START u32 tr_t = (u32)clock();
 #define TR(i)                                                   \
     do {                                                        \
@@ -138,6 +143,7 @@ __device__ __forceinline__ void fm_trace_report() {
     for (u32 i = 0; i < TR_PHASES + 2; ++i) t[i] = 0;
 }
 #else
+#define TR_SHARED
 #define TR_START
 #define TR(i)
 #endif
@@ -149,11 +155,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
     __shared__ __align__(16) u32 sh_hist[FM_HIST];
     __shared__ float sh_w[FM_QROWS];
     __shared__ u32 sh_max[WG_THREADS / 32];
-#ifdef FM_TRACE
-    __shared__ u32 sh_tr[WG_THREADS / 32][TR_PHASES];  // lane 0 of each warp zeroes and sums its own row
-    if ((threadIdx.x & 31u) == 0)
-        for (u32 i = 0; i < TR_PHASES; ++i) sh_tr[threadIdx.x >> 5][i] = 0;
-#endif
+    TR_SHARED
     const u32 raw_addr = smem_addr(wg_smem_raw);
     u8* base = wg_smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
     u8* sh_q = base;
@@ -443,11 +445,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
 #ifdef FM_Q8_TC
     __shared__ uint2 sh_wb[FM_QROWS / 16][32];  // the head-sum MMA's B fragment per k-step and lane
 #endif
-#ifdef FM_TRACE
-    __shared__ u32 sh_tr[WG_THREADS / 32][TR_PHASES];  // lane 0 of each warp zeroes and sums its own row
-    if ((threadIdx.x & 31u) == 0)
-        for (u32 i = 0; i < TR_PHASES; ++i) sh_tr[threadIdx.x >> 5][i] = 0;
-#endif
+    TR_SHARED
     const u32 raw_addr = smem_addr(wg_smem_raw);
     u8* base = wg_smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
     u8* sh_q = base;
