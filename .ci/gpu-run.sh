@@ -77,13 +77,19 @@ fi
 if [[ $what == defines ]]; then
   # Experiment defines of the scorer source (KVSWAP_FM_DEFINES) side by side
   # in one build: FM_DEFINE_SETS="name=-DA=1,-DB=2 other=-DC=1" (a set's
-  # options joined by commas; "base=" for none), each set's scorer tests
+  # options joined by commas; "base=" for none; an option src=FILE loads the
+  # kernels from FILE, e.g. .gpu/variants/NAME.cu), each set's scorer tests
   # first (VARIANT_TESTS, empty for none), then the quick scorer benchmark,
   # sets round-robin, ROUNDS rounds (default 3), then a table.
   VARIANT_TESTS=${VARIANT_TESTS-cuda_scorer_matches cuda_batch_equals_single_calls}
   read -r -a sets <<< "${FM_DEFINE_SETS:?FM_DEFINE_SETS=\"name=-DX=1,... name2=...\"}"
   rm -f "$OUT"/defines-*.json
-  with_set() { local d=${1#*=}; shift; KVSWAP_FM_DEFINES="${d//,/ }" "$@"; }
+  with_set() {
+    local opts=() src= o; IFS=, read -r -a opts <<< "${1#*=}"; shift
+    local defs=()
+    for o in "${opts[@]}"; do if [[ $o == src=* ]]; then src=${o#src=}; else defs+=("$o"); fi; done
+    if [[ -n $src ]]; then KVSWAP_FM_SOURCE=$src KVSWAP_FM_DEFINES="${defs[*]}" "$@"; else KVSWAP_FM_DEFINES="${defs[*]}" "$@"; fi
+  }
   if [[ -n $VARIANT_TESTS ]]; then
     for set in "${sets[@]}"; do step "defines-${set%%=*}-test" with_set "$set" $T/scorer_gpu --ignored --test-threads=1 $VARIANT_TESTS; done
   fi
