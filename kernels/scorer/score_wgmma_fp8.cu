@@ -445,6 +445,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
 #ifdef FM_Q8_TC
     __shared__ uint2 sh_wb[FM_QROWS / 16][32];  // the head-sum MMA's B fragment per k-step and lane
 #endif
+    __shared__ float sh_p2E[FM_SCORERS];  // 2^E where that is a normal float, else 0 (no fast path)
     TR_SHARED
     const u32 raw_addr = smem_addr(wg_smem_raw);
     u8* base = wg_smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
@@ -538,7 +539,11 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
             if (e != WG8Q_BAD_HEAD) m = max(m, e);
         }
         m = __reduce_max_sync(KVS_FULL_MASK, m);
-        if (lane == 0) sh_E[sc] = m == WG8Q_ZERO_HEAD ? 0 : m;
+        if (lane == 0) {
+            const int E = m == WG8Q_ZERO_HEAD ? 0 : m;
+            sh_E[sc] = E;
+            sh_p2E[sc] = E >= -126 && E <= 127 ? __int_as_float((127 + E) << 23) : 0.f;
+        }
     }
     __syncthreads();
 #pragma unroll
@@ -575,14 +580,11 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
     __syncthreads();
 #endif
     // E per scorer, and 2^E as a float where that is a normal number (else 0,
-    // which sends every row of the scorer to the scalbnf path below).
-    int E[FM_SCORERS];
-    float p2E[FM_SCORERS];
-#pragma unroll
-    for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
-        E[sc] = sh_E[sc];
-        p2E[sc] = E[sc] >= -126 && E[sc] <= 127 ? __int_as_float((127 + E[sc]) << 23) : 0.f;
-    }
+    // which keeps every row of the scorer off the one-multiply path below),
+    // read from shared memory where used: with 4 scorers, register copies
+    // made ptxas spill (168 registers).
+    const int* E = sh_E;
+    const float* p2E = sh_p2E;
 #ifdef FM_Q8_TC
     const u32 tq = lane & 3u;  // this lane's scorer in the head-sum MMA's output (none when >= FM_SCORERS)
     float p2E_mine = 0.f;
@@ -632,63 +634,75 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
         TR(7);
 
         // The common case: every scale of the warp's rows positive and finite
-        // and every c = scale * 2^E a normal float (exact then), so
-        // relu(scale * x) = scale * relu(x) lets c multiply each scorer's sum
-        // once: one multiply, no other path issued beside it.
+        // (relu(scale * x) = scale * relu(x): the scale multiplies each
+        // scorer's sum once) and every c = scale * 2^E a normal float (exact
+        // then): one multiply per scorer sum, no other path issued beside it.
+        // Positive finite scales with some c not normal (extreme scales or
+        // exponents) take the same sums with scalbn(sum * scale, E).
         float c[2][FM_SCORERS];
-        bool fast = true;
+        bool positive = true, normal = true;
 #pragma unroll
         for (u32 h = 0; h < 2; ++h) {
-            fast &= scales[h] > 0.f && scales[h] <= 3.40282347e38f;
+            positive &= scales[h] > 0.f && scales[h] <= 3.40282347e38f;
 #pragma unroll
             for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
                 c[h][sc] = scales[h] * p2E[sc];
-                fast &= c[h][sc] >= 1.17549435e-38f && c[h][sc] <= 3.40282347e38f;
+                normal &= c[h][sc] >= 1.17549435e-38f && c[h][sc] <= 3.40282347e38f;
             }
         }
-        if (__all_sync(KVS_FULL_MASK, fast)) {
+        if (__all_sync(KVS_FULL_MASK, positive)) {
             float ens[2];
             bool finite[2];
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) finite[h] = isfinite(d[2 * h]);
 #ifdef FM_Q8_TC
-            // Two accumulator chains (even and odd k-steps), each holding every
-            // scorer's columns: lane tq gets scorer tq's hi and lo sums.
-            float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            if (__all_sync(KVS_FULL_MASK, normal)) {
+                // Two accumulator chains (even and odd k-steps), each holding every
+                // scorer's columns: lane tq gets scorer tq's hi and lo sums.
+                float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-            for (u32 k = 0; k < FM_QROWS / 16; ++k) {
-                const u32 a[4] = {relu_bf16x2(d[8 * k], d[8 * k + 1]), relu_bf16x2(d[8 * k + 2], d[8 * k + 3]),
-                                  relu_bf16x2(d[8 * k + 4], d[8 * k + 5]), relu_bf16x2(d[8 * k + 6], d[8 * k + 7])};
-                const uint2 b = sh_wb[k][lane];
-                mma_bf16(acc[k & 1], a, b.x, b.y);
-            }
-#pragma unroll
-            for (u32 h = 0; h < 2; ++h) {
-                const bool mine = tq < FM_SCORERS;
-                const float v = ((acc[0][2 * h] + acc[0][2 * h + 1]) + (acc[1][2 * h] + acc[1][2 * h + 1])) * (scales[h] * p2E_mine);
-                // The ensemble over the quad's lanes 0 .. FM_SCORERS - 1.
-                float x = mine ? v : (mean ? 0.f : __int_as_float(0xff800000));
-                u32 ok = !mine || isfinite(v);
-#pragma unroll
-                for (u32 o = 1; o < 4; o <<= 1) {
-                    const float y = __shfl_xor_sync(KVS_FULL_MASK, x, o);
-                    x = mean ? x + y : fmaxf(x, y);
-                    ok &= __shfl_xor_sync(KVS_FULL_MASK, ok, o);
+                for (u32 k = 0; k < FM_QROWS / 16; ++k) {
+                    const u32 a[4] = {relu_bf16x2(d[8 * k], d[8 * k + 1]), relu_bf16x2(d[8 * k + 2], d[8 * k + 3]),
+                                      relu_bf16x2(d[8 * k + 4], d[8 * k + 5]), relu_bf16x2(d[8 * k + 6], d[8 * k + 7])};
+                    const uint2 b = sh_wb[k][lane];
+                    mma_bf16(acc[k & 1], a, b.x, b.y);
                 }
-                ens[h] = mean ? x * (1.f / FM_SCORERS) : x;
-                finite[h] = finite[h] && ok;
-            }
+#pragma unroll
+                for (u32 h = 0; h < 2; ++h) {
+                    const bool mine = tq < FM_SCORERS;
+                    const float v = ((acc[0][2 * h] + acc[0][2 * h + 1]) + (acc[1][2 * h] + acc[1][2 * h + 1])) * (scales[h] * p2E_mine);
+                    // The ensemble over the quad's lanes 0 .. FM_SCORERS - 1.
+                    float x = mine ? v : (mean ? 0.f : __int_as_float(0xff800000));
+                    u32 ok = !mine || isfinite(v);
+#pragma unroll
+                    for (u32 o = 1; o < 4; o <<= 1) {
+                        const float y = __shfl_xor_sync(KVS_FULL_MASK, x, o);
+                        x = mean ? x + y : fmaxf(x, y);
+                        ok &= __shfl_xor_sync(KVS_FULL_MASK, ok, o);
+                    }
+                    ens[h] = mean ? x * (1.f / FM_SCORERS) : x;
+                    finite[h] = finite[h] && ok;
+                }
+            } else
+                head_sums<2>(
+                    d, 0, [&](u32 j) { return wq_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
+                    [&](u32 h, u32 s, float si) { return scalbnf(si * scales[h], E[s]); }, mean, ens, finite);
 #else
-            head_sums<2>(
-                d, 0, [&](u32 j) { return wq_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
-                [&](u32 h, u32 s, float si) { return si * c[h][s]; }, mean, ens, finite);
+            if (__all_sync(KVS_FULL_MASK, normal))
+                head_sums<2>(
+                    d, 0, [&](u32 j) { return wq_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
+                    [&](u32 h, u32 s, float si) { return si * c[h][s]; }, mean, ens, finite);
+            else
+                head_sums<2>(
+                    d, 0, [&](u32 j) { return wq_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
+                    [&](u32 h, u32 s, float si) { return scalbnf(si * scales[h], E[s]); }, mean, ens, finite);
 #endif
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], lane, S, sh_hist, bad, bad_chunk);
             TR(8);
             continue;
         }
-        // Any other scale (zero, negative, non-finite, or c not normal): per element.
+        // Any other scale (zero, negative, non-finite): per element.
 #pragma unroll
         for (u32 half = 0; half < 2; ++half) {
             const float scale = scales[half];
