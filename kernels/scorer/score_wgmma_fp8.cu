@@ -386,14 +386,16 @@ __device__ __forceinline__ float2 wq_weights(const float* sh_w, u32 lane, u32 j)
     return (j & 1u) ? make_float2(w4.z, w4.w) : make_float2(w4.x, w4.y);
 }
 
-// FM_Q8_TC: FM_Q8_TC_HEADSUM where the hi and lo columns of every scorer fit
-// the MMA's 8 columns (up to 4 scorers); other shapes keep the FMA path.
-#if defined(FM_Q8_TC_HEADSUM) && FM_SCORERS <= 4
+// FM_Q8_TC: the tensor-core head sums, where the hi and lo columns of every
+// scorer fit the MMA's 8 columns (up to 4 scorers); other shapes, and
+// -DFM_Q8_FMA_HEADSUM (development: to time the two side by side), keep the
+// FMA path.
+#if !defined(FM_Q8_FMA_HEADSUM) && FM_SCORERS <= 4
 #define FM_Q8_TC 1
 #endif
 #ifdef FM_Q8_TC
-// Development (KVSWAP_FM_DEFINES=-DFM_Q8_TC_HEADSUM, not measured yet): the
-// fast path's head sums on the tensor cores. relu(x) of the accumulators,
+// The fast path's head sums on the tensor cores (H200, 3 x 64 x 128, 262,144
+// chunks: 28.1 us beside 28.7 us on the FMA path, benches/NOTES.md s34). relu(x) of the accumulators,
 // rounded to bf16 two at a time (one cvt.rn.relu.bf16x2 per pair), is the A
 // operand of an mma.sync m16n8k16 whose B holds each scorer's head weights
 // split into bf16 hi and lo parts (columns 2s and 2s + 1 of scorer s; zero

@@ -573,7 +573,7 @@ impl CudaScorer {
         let fp8_query = optional("fm_fp8_query", wide)?;
         // fm_score_wg_fp8q: Q in e4m3 + per warpgroup WG_STAGES raw tiles and
         // a KiB of their scales, + 1024 alignment slack; its histogram, head
-        // weights, exponents, 2^E and (FM_Q8_TC_HEADSUM) the head-sum MMA's
+        // weights, exponents, 2^E and (up to 4 scorers) the head-sum MMA's
         // B fragments are static.
         let fp8q_smem = (s * h * d + WG_GROUPS * (WG_STAGES * 64 * d + 1024) + 1024) as u32;
         let score_fp8q = if wgmma
