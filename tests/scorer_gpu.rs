@@ -20,7 +20,13 @@
 //! |W h| at hidden 4096; the worst-case n 2^-24 bound would let most
 //! elements move a step), every head exponent that range allows included,
 //! and the tolerance adds sum_h |w_ih| sum_d (hi - lo) |scale_c k_cd|. The
-//! fp8 products are exact, so 2u above is ample for the rest.
+//! fp8 products are exact, so 2u above covers the rest: with up to 4
+//! scorers, fm_score_wg_fp8q sums the heads on the tensor cores, relu of
+//! each head's dot product rounded to bf16 (<= u relative, one rounding per
+//! term: u sum_h |w_ih| |dot_h|, inside the bound above since |dot_h| <=
+//! |scale_c| sum_d |q_ihd| |k_cd|) and each weight split into bf16 hi + lo
+//! parts (<= 2^-15 relative), summed in f32: half of 2u, the rest for the
+//! f32 accumulation.
 #![cfg(feature = "cuda")]
 
 mod common;
