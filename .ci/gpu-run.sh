@@ -87,7 +87,11 @@ if [[ $what == defines ]]; then
   with_set() {
     local opts=() src= o; IFS=, read -r -a opts <<< "${1#*=}"; shift
     local defs=()
-    for o in "${opts[@]}"; do if [[ $o == src=* ]]; then src=${o#src=}; else defs+=("$o"); fi; done
+    for o in "${opts[@]}"; do
+      if [[ $o != src=* ]]; then defs+=("$o")
+      elif [[ -z $src ]]; then src=${o#src=}
+      else echo "FM_DEFINE_SETS: one src= per set" >&2; return 1; fi
+    done
     if [[ -n $src ]]; then KVSWAP_FM_SOURCE=$src KVSWAP_FM_DEFINES="${defs[*]}" "$@"; else KVSWAP_FM_DEFINES="${defs[*]}" "$@"; fi
   }
   if [[ -n $VARIANT_TESTS ]]; then

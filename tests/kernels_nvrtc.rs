@@ -50,10 +50,11 @@ fn every_kernel_compiles() {
     // head sums (-DFM_Q8_FMA_HEADSUM; 8 scorers take them by default). The
     // default build's tensor-core head sums at 1 and 4 scorers: the edges of
     // the MMA's columns.
-    let dev: [(&str, (u32, u32, u32)); 6] = [
+    let dev: [(&str, (u32, u32, u32)); 7] = [
         ("-DFM_TRACE -DFM_OTRACE", (3, 64, 128)),
         ("-DFM_CTRACE", (3, 64, 128)),
         ("-DFM_Q8_FMA_HEADSUM", (3, 64, 128)),
+        ("-DFM_Q8_FMA_HEADSUM", (4, 64, 128)),
         ("", (1, 64, 128)),
         ("", (4, 64, 128)),
         ("", (8, 8, 128)),
@@ -62,7 +63,7 @@ fn every_kernel_compiles() {
         let mut opts = vec![format!("-DFM_SCORERS={s}"), format!("-DFM_HEADS={h}"), format!("-DFM_HEAD_DIM={d}")];
         opts.extend(["-DFM_WGMMA", "--gpu-architecture=sm_90a"].map(String::from));
         opts.extend(defines.split_whitespace().map(String::from));
-        nvrtc::compile_with("scorer.cu", kvswap::kernels::SCORER_CU, (9, 0), &opts).unwrap_or_else(|e| panic!("scorer {s}x{h}x{d} with {defines}: {e}"));
+        nvrtc::compile_with("scorer.cu", kvswap::kernels::SCORER_CU, (9, 0), &opts).unwrap_or_else(|e| panic!("scorer {s}x{h}x{d} with {defines:?}: {e}"));
     }
 }
 

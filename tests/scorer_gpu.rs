@@ -20,13 +20,17 @@
 //! |W h| at hidden 4096; the worst-case n 2^-24 bound would let most
 //! elements move a step), every head exponent that range allows included,
 //! and the tolerance adds sum_h |w_ih| sum_d (hi - lo) |scale_c k_cd|. The
-//! fp8 products are exact, so 2u above covers the rest: with up to 4
-//! scorers, fm_score_wg_fp8q sums the heads on the tensor cores, relu of
-//! each head's dot product rounded to bf16 (<= u relative, one rounding per
-//! term: u sum_h |w_ih| |dot_h|, inside the bound above since |dot_h| <=
-//! |scale_c| sum_d |q_ihd| |k_cd|) and each weight split into bf16 hi + lo
-//! parts (<= 2^-15 relative), summed in f32: half of 2u, the rest for the
-//! f32 accumulation.
+//! fp8 products are exact, so 2u above covers the rest. With up to 4
+//! scorers, fm_score_wg_fp8q sums the heads on the tensor cores: relu of
+//! each head's dot product rounded to bf16 (<= u relative per term) times
+//! the head's weight split into bf16 hi + lo parts (<= 2^-15 relative),
+//! summed in f32. The dot products use q rounded to e4m3 (each |q| grows by
+//! at most 2^-4), so this adds at most (2^-8 + 2^-15)(1 + 2^-4) = 0.53 x 2u
+//! of the bound, the rest covering the f32 accumulation. (The 2^-15 holds
+//! while w * 2^(e - E) >= 2^-119, i.e. unless a scorer's head exponents
+//! spread over about 2^120; past that the lo part is a bf16 subnormal, an
+//! absolute error of about 2^-134 |w| per term, which the tests do not
+//! reach.)
 #![cfg(feature = "cuda")]
 
 mod common;
