@@ -458,6 +458,79 @@ fn cuda_scorer_long_call_matches_reference() {
     }
 }
 
+/// fp8 keys whose scale times 2^E (E: a scorer's largest head exponent of
+/// its fp8 query) lies above the float range while every score stays
+/// finite: a checkpoint whose q weights are scaled by 2^20 (E about 13)
+/// and head-weight weights by 2^-30, chunks with one or two e4m3 codes of
+/// +-2^-6, each chunk's scale the power of two (at most 2^127) that brings
+/// its largest scorer score near 2^122. fm_score_wg_fp8q must not form
+/// c = scale * 2^E there, nor scale a head's dot product (in units of
+/// 2^e) before its weight shrinks it: for many chunks that product alone
+/// is above the float range (NOTES s33's review case: scale 2^110, E 20,
+/// scored inf on the per-element path). Returns the checkpoint, hidden
+/// state, keys, how many chunks have scale * 2^E >= 2^129 for every
+/// scorer, and how many have a head with |dot| * scale >= 2^128.
+fn scale_beyond_float_range_case(rng: &mut Rng) -> (Arc<Checkpoint>, Vec<f32>, HostKeys, usize, usize) {
+    let (s, h, dim, hid) = BENCH_SHAPE;
+    let meta = Meta { n_scorers: s, hidden: hid, n_heads: h, head_dim: dim, ensemble: Ensemble::Max };
+    let std = 1.0 / (hid as f32).sqrt();
+    let mut matrix = |shape: [usize; 2], scale: f32| -> Vec<f32> { (0..shape[0] * shape[1]).map(|_| gauss(rng) * std * scale).collect() };
+    let (wq, ww): (Vec<_>, Vec<_>) = (0..s).map(|_| (matrix(meta.wq_shape(), 2f32.powi(20)), matrix(meta.ww_shape(), 2f32.powi(-30)))).unzip();
+    let tensors = write::from_weights(&meta, WeightDtype::Bf16, &wq, &ww).unwrap();
+    let ckpt = Arc::new(Checkpoint::from_bytes(write::to_bytes(&meta, &tensors).unwrap()).unwrap());
+    let hidden = random_hidden(rng, s, hid);
+    let dim = dim as usize;
+    let wide = reference::project_batch(&ckpt, &[&hidden]).pop().unwrap();
+    // Each head's exponent e (its q in units of 2^e is at most 448), and E.
+    let head_e: Vec<Vec<i32>> =
+        wide.iter().map(|p| p.q.chunks(dim).map(|r| reference::fp8_query_exponent(r.iter().fold(0f64, |m, x| m.max(x.abs())))).collect()).collect();
+    let e_min = head_e.iter().map(|e| *e.iter().max().unwrap()).min().unwrap();
+    let n = 4096;
+    let mut bytes = vec![0u8; n * dim];
+    for c in 0..n {
+        for _ in 0..1 + rng.below(2) {
+            bytes[c * dim + rng.below(dim as u64) as usize] = if rng.below(2) == 0 { 0x08 } else { 0x88 };
+        }
+    }
+    let mut keys = HostKeys { dtype: KeyDtype::Fp8E4m3, bytes, scales: vec![1.0; n], n, dim };
+    let projs = reference::query_for_keys(&wide, dim, true, true);
+    let per_scorer = reference::scorer_scores(&projs, &keys.keys()).unwrap();
+    let (mut beyond, mut dot_beyond) = (0, 0);
+    let mut row = vec![0f64; dim];
+    for c in 0..n {
+        let m = per_scorer.iter().map(|v| v[c].abs()).fold(0f64, f64::max);
+        let k = if m > 0.0 { (122.0 - m.log2()).round().clamp(-126.0, 127.0) as i32 } else { 127 };
+        keys.scales[c] = 2f32.powi(k);
+        beyond += usize::from(k + e_min >= 129);
+        keys.keys().row_into(c, &mut row).unwrap(); // the codes times scale 1
+        let dot_max = projs
+            .iter()
+            .zip(&head_e)
+            .flat_map(|(p, es)| p.q.chunks(dim).zip(es).map(|(q, &e)| q.iter().zip(&row).map(|(a, b)| a * b).sum::<f64>().abs() * 2f64.powi(-e)))
+            .fold(0f64, f64::max);
+        dot_beyond += usize::from(dot_max * 2f64.powi(k) >= 2f64.powi(128));
+    }
+    (ckpt, hidden, keys, beyond, dot_beyond)
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_scorer_scale_beyond_float_range() {
+    let mut rng = Rng::fresh("scorer gpu scale beyond float range");
+    let d = Dev::new();
+    let (ckpt, hidden, keys, beyond, dot_beyond) = scale_beyond_float_range_case(&mut rng);
+    assert!(beyond >= 1000, "the case must put scale * 2^E above the float range: {beyond} of {} chunks do", keys.n);
+    assert!(dot_beyond >= 100, "the case must put some head's dot product times scale above the float range: {dot_beyond} chunks do");
+    let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
+    for e in [Ensemble::Max, Ensemble::Mean] {
+        scorer.set_ensemble(e);
+        let (scores, tol) = reference_with_tolerance(&ckpt, e, &hidden, &keys);
+        assert!(scores.iter().all(|v| v.is_finite() && v.abs() < 2f64.powi(126)), "every reference score finite");
+        let got = gpu_topk(&d, &scorer, &hidden, &keys, 512).unwrap();
+        check_topk(&got, &scores, &tol, 512, &format!("scale * 2^E above the float range, {e:?}"));
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn cuda_scorer_adversarial_inputs() {
