@@ -393,6 +393,12 @@ __device__ __forceinline__ float2 wq_weights(const float* sh_w, u32 lane, u32 j)
 #if !defined(FM_Q8_FMA_HEADSUM) && FM_SCORERS <= 4
 #define FM_Q8_TC 1
 #endif
+// The head-sum MMAs' independent accumulator chains (development: 4 halves
+// each chain's dependent HMMAs at 12 k-steps; 2 or 4, dividing the k-steps).
+#ifndef FM_Q8_TC_CHAINS
+#define FM_Q8_TC_CHAINS 2
+#endif
+static_assert(FM_Q8_TC_CHAINS == 2 || FM_Q8_TC_CHAINS == 4, "2 or 4 head-sum chains");
 #ifdef FM_Q8_TC
 // The fast path's head sums on the tensor cores (H200, 3 x 64 x 128, 262,144
 // chunks: 28.1 us beside 28.7 us on the FMA path, benches/NOTES.md s34). relu(x) of the accumulators,
@@ -659,16 +665,23 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
             for (u32 h = 0; h < 2; ++h) finite[h] = isfinite(d[2 * h]);
 #ifdef FM_Q8_TC
             if (__all_sync(KVS_FULL_MASK, normal)) {
-                // Two accumulator chains (even and odd k-steps), each holding every
-                // scorer's columns: lane tq gets scorer tq's hi and lo sums.
-                float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+                // FM_Q8_TC_CHAINS accumulator chains (k-step k on chain
+                // k % FM_Q8_TC_CHAINS), each holding every scorer's columns:
+                // lane tq gets scorer tq's hi and lo sums.
+                float acc[FM_Q8_TC_CHAINS][4];
+#pragma unroll
+                for (u32 c = 0; c < FM_Q8_TC_CHAINS; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.f;
 #pragma unroll
                 for (u32 k = 0; k < FM_QROWS / 16; ++k) {
                     const u32 a[4] = {relu_bf16x2(d[8 * k], d[8 * k + 1]), relu_bf16x2(d[8 * k + 2], d[8 * k + 3]),
                                       relu_bf16x2(d[8 * k + 4], d[8 * k + 5]), relu_bf16x2(d[8 * k + 6], d[8 * k + 7])};
                     const uint2 b = sh_wb[k][lane];
-                    mma_bf16(acc[k & 1], a, b.x, b.y);
+                    mma_bf16(acc[k % FM_Q8_TC_CHAINS], a, b.x, b.y);
                 }
+#pragma unroll
+                for (u32 c = 2; c < FM_Q8_TC_CHAINS; ++c)
+#pragma unroll
+                    for (u32 j = 0; j < 4; ++j) acc[c % 2][j] += acc[c][j];
 #pragma unroll
                 for (u32 h = 0; h < 2; ++h) {
                     const bool mine = tq < FM_SCORERS;
