@@ -294,6 +294,11 @@ __device__ __forceinline__ void ensemble_fold(float si, u32 sc, bool mean, float
     ens = mean ? ens + si : (sc == 0 ? si : fmaxf(ens, si));
 }
 
+// A chunk scale the fp8 kernels' per-row path takes: positive and finite
+// (relu(scale * x) = scale * relu(x), so the scale multiplies each scorer's
+// sum once).
+__device__ __forceinline__ bool positive_finite(float scale) { return scale > 0.f && scale <= 3.40282347e38f; }
+
 // Files a row's score: its sortable key (the lowest score after an error)
 // and its histogram count; one lane of the quad writes.
 __device__ __forceinline__ void wg_file_score(float ens, bool finite, bool in, u32 chunk, u32 lane, const ScoreSeq& S, u32* sh_hist,

@@ -316,7 +316,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
         wgmma_wait0();
         TR(8);
 
-        if (__all_sync(KVS_FULL_MASK, scales[0] > 0.f && scales[0] <= 3.40282347e38f && scales[1] > 0.f && scales[1] <= 3.40282347e38f)) {
+        if (__all_sync(KVS_FULL_MASK, positive_finite(scales[0]) && positive_finite(scales[1]))) {
             float ens[2];
             bool finite[2];
             wg8_rows_score_pos(d, sh_w, lane, scales, inv, mean, ens, finite);
@@ -651,7 +651,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
         bool positive = true, normal = true;
 #pragma unroll
         for (u32 h = 0; h < 2; ++h) {
-            positive &= scales[h] > 0.f && scales[h] <= 3.40282347e38f;
+            positive &= positive_finite(scales[h]);
 #pragma unroll
             for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
                 c[h][sc] = scales[h] * p2E[sc];
@@ -699,19 +699,17 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
                     finite[h] = finite[h] && ok;
                 }
             } else
-                head_sums<2>(
-                    d, 0, [&](u32 j) { return wq_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
-                    [&](u32 h, u32 s, float si) { return scalbnf(si * scales[h], E[s]); }, mean, ens, finite);
 #else
             if (__all_sync(KVS_FULL_MASK, normal))
                 head_sums<2>(
                     d, 0, [&](u32 j) { return wq_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
                     [&](u32 h, u32 s, float si) { return si * c[h][s]; }, mean, ens, finite);
             else
+#endif
+                // Some c not a normal float: the sums rescaled in two steps.
                 head_sums<2>(
                     d, 0, [&](u32 j) { return wq_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
                     [&](u32 h, u32 s, float si) { return scalbnf(si * scales[h], E[s]); }, mean, ens, finite);
-#endif
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], lane, S, sh_hist, bad, bad_chunk);
             TR(8);
