@@ -47,7 +47,7 @@ PY
 if [[ $what == scorer ]]; then
   step scorer-gpu     $T/scorer_gpu --ignored --test-threads=1
   step scorer-gpu-mma env KVSWAP_FM_KERNEL=mma $T/scorer_gpu --ignored --test-threads=1
-  step scorer-gpu-fp8-convert env KVSWAP_FM_KERNEL=wgmma-convert $T/scorer_gpu --ignored --test-threads=1 cuda_scorer_matches cuda_scorer_long_call
+  step scorer-gpu-fp8-convert env KVSWAP_FM_KERNEL=wgmma-convert $T/scorer_gpu --ignored --test-threads=1 cuda_scorer_matches cuda_scorer_long_call cuda_scorer_scale_beyond_float_range
 fi
 if [[ $what == variants ]]; then
   # Kernel variants (.gpu/variants/*.cu, see gpu-build.sh FM_VARIANTS) beside
@@ -191,7 +191,7 @@ if [[ $what == tests || $what == all ]]; then
   step multi-cuda     env KVSWAP_TEST_BACKEND=cuda $T/multi
   step scorer-gpu     $T/scorer_gpu --ignored --test-threads=1
   step scorer-gpu-mma env KVSWAP_FM_KERNEL=mma $T/scorer_gpu --ignored --test-threads=1
-  step scorer-gpu-fp8-convert env KVSWAP_FM_KERNEL=wgmma-convert $T/scorer_gpu --ignored --test-threads=1 cuda_scorer_matches cuda_scorer_long_call
+  step scorer-gpu-fp8-convert env KVSWAP_FM_KERNEL=wgmma-convert $T/scorer_gpu --ignored --test-threads=1 cuda_scorer_matches cuda_scorer_long_call cuda_scorer_scale_beyond_float_range
   step model-cuda     env KVSWAP_TEST_BACKEND=cuda $T/model
   step threads-cuda   env KVSWAP_TEST_BACKEND=cuda $T/threads
   if [[ ! -x .gpu/ffi/test_abi || ! -x .gpu/ffi/test_abi_cpp ]]; then

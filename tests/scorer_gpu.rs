@@ -467,7 +467,11 @@ fn cuda_scorer_long_call_matches_reference() {
 /// c = scale * 2^E there, nor scale a head's dot product (in units of
 /// 2^e) before its weight shrinks it: for many chunks that product alone
 /// is above the float range (NOTES s33's review case: scale 2^110, E 20,
-/// scored inf on the per-element path). Returns the checkpoint, hidden
+/// scored inf on the per-element path). Every seventh chunk has the
+/// negative scale and flipped codes of the same scores, so that warps
+/// mixing signs take the kernels' per-row paths, which must not form that
+/// product either (the portable and converting kernels scored every row
+/// so, NOTES s35). Returns the checkpoint, hidden
 /// state, keys, how many chunks have scale * 2^E >= 2^129 for every
 /// scorer, and how many have a head with |dot| * scale >= 2^128.
 fn scale_beyond_float_range_case(rng: &mut Rng) -> (Arc<Checkpoint>, Vec<f32>, HostKeys, usize, usize) {
@@ -500,17 +504,51 @@ fn scale_beyond_float_range_case(rng: &mut Rng) -> (Arc<Checkpoint>, Vec<f32>, H
     for c in 0..n {
         let m = per_scorer.iter().map(|v| v[c].abs()).fold(0f64, f64::max);
         let k = if m > 0.0 { (122.0 - m.log2()).round().clamp(-126.0, 127.0) as i32 } else { 127 };
-        keys.scales[c] = 2f32.powi(k);
-        beyond += usize::from(k + e_min >= 129);
-        keys.keys().row_into(c, &mut row).unwrap(); // the codes times scale 1
+        keys.keys().row_into(c, &mut row).unwrap(); // the codes: chunk c's scale is still 1
         let dot_max = projs
             .iter()
             .zip(&head_e)
             .flat_map(|(p, es)| p.q.chunks(dim).zip(es).map(|(q, &e)| q.iter().zip(&row).map(|(a, b)| a * b).sum::<f64>().abs() * 2f64.powi(-e)))
             .fold(0f64, f64::max);
         dot_beyond += usize::from(dot_max * 2f64.powi(k) >= 2f64.powi(128));
+        beyond += usize::from(k + e_min >= 129);
+        keys.scales[c] = 2f32.powi(k);
+        if c % 7 == 3 {
+            // The same scores from a negative scale and every code's sign
+            // flipped (relu(-s * -x) = relu(s * x)): warps whose rows mix
+            // signs take the kernels' per-row path.
+            keys.scales[c] = -keys.scales[c];
+            for b in &mut keys.bytes[c * dim..(c + 1) * dim] {
+                if *b != 0 {
+                    *b ^= 0x80;
+                }
+            }
+        }
     }
     (ckpt, hidden, keys, beyond, dot_beyond)
+}
+
+/// scale_beyond_float_range_case with its premise asserted: enough chunks
+/// beyond the float range both ways, and every reference score (fp8 and
+/// wide query, both ensembles) finite and below 2^126.
+fn scale_beyond_float_range_checked(rng: &mut Rng) -> (Arc<Checkpoint>, Vec<f32>, HostKeys) {
+    let (ckpt, hidden, keys, beyond, dot_beyond) = scale_beyond_float_range_case(rng);
+    assert!(beyond >= 1000, "the case must put scale * 2^E above the float range: {beyond} of {} chunks do", keys.n);
+    assert!(dot_beyond >= 100, "the case must put some head's dot product times scale above the float range: {dot_beyond} chunks do");
+    for fp8_query in [true, false] {
+        for ensemble in [Ensemble::Max, Ensemble::Mean] {
+            let (scores, _) = reference_with_tolerance_q(&ckpt, ScoreMode { ensemble, fp8_query }, &hidden, &keys);
+            assert!(scores.iter().all(|v| v.is_finite() && v.abs() < 2f64.powi(126)), "every reference score finite ({ensemble:?}, fp8 query {fp8_query})");
+        }
+    }
+    (ckpt, hidden, keys)
+}
+
+/// The premise of cuda_scorer_scale_beyond_float_range, on the CPU (CI).
+#[test]
+fn scale_beyond_float_range_premise_holds() {
+    let mut rng = Rng::fresh("scale beyond float range premise");
+    scale_beyond_float_range_checked(&mut rng);
 }
 
 #[test]
@@ -518,16 +556,16 @@ fn scale_beyond_float_range_case(rng: &mut Rng) -> (Arc<Checkpoint>, Vec<f32>, H
 fn cuda_scorer_scale_beyond_float_range() {
     let mut rng = Rng::fresh("scorer gpu scale beyond float range");
     let d = Dev::new();
-    let (ckpt, hidden, keys, beyond, dot_beyond) = scale_beyond_float_range_case(&mut rng);
-    assert!(beyond >= 1000, "the case must put scale * 2^E above the float range: {beyond} of {} chunks do", keys.n);
-    assert!(dot_beyond >= 100, "the case must put some head's dot product times scale above the float range: {dot_beyond} chunks do");
+    let (ckpt, hidden, keys) = scale_beyond_float_range_checked(&mut rng);
     let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
-    for e in [Ensemble::Max, Ensemble::Mean] {
-        scorer.set_ensemble(e);
-        let (scores, tol) = reference_with_tolerance(&ckpt, e, &hidden, &keys);
-        assert!(scores.iter().all(|v| v.is_finite() && v.abs() < 2f64.powi(126)), "every reference score finite");
-        let got = gpu_topk(&d, &scorer, &hidden, &keys, 512).unwrap();
-        check_topk(&got, &scores, &tol, 512, &format!("scale * 2^E above the float range, {e:?}"));
+    for query in [Query::Auto, Query::Wide] {
+        scorer.set_query(query);
+        for e in [Ensemble::Max, Ensemble::Mean] {
+            scorer.set_ensemble(e);
+            let (scores, tol) = reference_with_tolerance_q(&ckpt, scorer.mode(), &hidden, &keys);
+            let got = gpu_topk(&d, &scorer, &hidden, &keys, 512).unwrap();
+            check_topk(&got, &scores, &tol, 512, &format!("scale * 2^E above the float range, {query:?} {e:?}"));
+        }
     }
 }
 
@@ -601,6 +639,18 @@ fn cuda_scorer_adversarial_inputs() {
         let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
         check_topk(&got, &scores, &tol, 256, &format!("magnitude {mag}"));
     }
+    // A non-finite fp8 scale (in a warp whose other rows are fine): an
+    // error naming its chunk, with the fp8 and the wide query.
+    for (bad_scale, query) in [(f32::NAN, Query::Auto), (f32::INFINITY, Query::Auto), (f32::NEG_INFINITY, Query::Wide), (f32::NAN, Query::Wide)] {
+        let mut keys = HostKeys::random(&mut rng, KeyDtype::Fp8E4m3, 3000, dim as usize, 1.0);
+        let at = rng.below(3000) as usize;
+        keys.scales[at] = bad_scale;
+        scorer.set_query(query);
+        let e = gpu_topk(&d, &scorer, &hidden, &keys, 64).unwrap_err();
+        assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
+        assert!(e.message.contains(&format!("chunk {at} ")), "scale {bad_scale} at chunk {at}, {query:?}: {e}");
+    }
+    scorer.set_query(Query::Auto);
     // NaN in the hidden state: an error naming it, and no garbage (-1s).
     let mut bad = hidden.clone();
     bad[hid as usize + 17] = f32::NAN;

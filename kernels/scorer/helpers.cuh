@@ -111,6 +111,34 @@ __device__ __forceinline__ uint4 f32x8_to_bf16x8(const float* p) {
                       (u32)f32_to_bf16(b.z) | ((u32)f32_to_bf16(b.w) << 16));
 }
 
+// A chunk scale the fp8 fast paths take out of the head sums: positive and
+// finite (relu(scale * x) = scale * relu(x), so the scale multiplies each
+// scorer's sum once).
+__device__ __forceinline__ bool positive_finite(float scale) { return scale > 0.f && scale <= 3.40282347e38f; }
+// The factors (before the relu, after a scorer's head sum) any chunk scale
+// splits into: (sign, |scale|) for a finite nonzero scale, as relu(scale *
+// x) = |scale| * relu(sign * x), so that a head's scale * dot product,
+// which can lie above the float range where the weighted score does not,
+// is never formed; else (scale, 1): zero, and non-finite scales (an error).
+__device__ __forceinline__ float2 scale_split(float scale) {
+    const bool finite_nonzero = scale != 0.f && fabsf(scale) <= 3.40282347e38f;
+    return finite_nonzero ? make_float2(copysignf(1.f, scale), fabsf(scale)) : make_float2(scale, 1.f);
+}
+
+// si * scale * 2^E for a finite nonzero scale (scale_split's second
+// factor): with scale = m * 2^k, m in [0.5, 1) and exact, scalbn(si * m,
+// k + E), one rounding. Neither scale * 2^E nor si * scale is formed:
+// either can leave the float range (or lose bits below it) where the
+// result does not. (frexpf does the same split; in fm_score_wg_fp8q's
+// 4-scorer build it spilled, NOTES s34.)
+__device__ __forceinline__ float scaled_sum(float si, float scale, int E) {
+    const bool sub = fabsf(scale) < 1.17549435e-38f;  // subnormal: normalised by 2^24 first
+    const u32 b = __float_as_uint(sub ? scale * 16777216.f : scale);
+    const int k = (int)((b >> 23) & 0xffu) - 126 - (sub ? 24 : 0);
+    const float m = __uint_as_float((b & 0x807fffffu) | (126u << 23));
+    return scalbnf(si * m, k + E);
+}
+
 // Monotone map of a float to u32: a < b  <=>  key(a) < key(b) (NaN excluded).
 __device__ __forceinline__ u32 sort_key(float f) {
     const u32 x = __float_as_uint(f);

@@ -243,15 +243,18 @@ fm_score(ScoreBatch B, u32* err) {
             for (u32 half = 0; half < 2; ++half) {
                 const u32 row = rgroup * FM_WROWS + m * 16 + (lane >> 2) + half * 8;
                 const u32 chunk = c0 + row;
-                const float scale = (B.dtype == FM_KEYS_FP8_E4M3 && chunk < S.n) ? S.scales[chunk] : 1.f;
+                // fp8: the scale's sign (or a zero or non-finite scale)
+                // multiplies each product here, its magnitude the scorer
+                // sums below (scale_split).
+                const float pre = (B.dtype == FM_KEYS_FP8_E4M3 && chunk < S.n) ? scale_split(S.scales[chunk]).x : 1.f;
                 float s = 0.f;
                 bool finite = true;
 #pragma unroll
                 for (u32 nt = 0; nt < FM_WHEADS / 8; ++nt) {
 #pragma unroll
                     for (u32 j = 0; j < 2; ++j) {
-                        const float x = acc[m][nt][half * 2 + j] * scale;
-                        finite &= isfinite(x);  // a non-finite key, scale or overflow
+                        const float x = acc[m][nt][half * 2 + j] * pre;
+                        finite &= isfinite(x);  // a non-finite key or scale, or an overflow
                         s = fmaf(wv[nt][j], x > 0.f ? x : 0.f, s);
                     }
                 }
@@ -270,12 +273,14 @@ fm_score(ScoreBatch B, u32* err) {
             const u32 chunk = c0 + row;
             const bool valid = row < FM_TILE && chunk < S.n;
             if (!__any_sync(KVS_FULL_MASK, valid)) continue;
+            const float post = (B.dtype == FM_KEYS_FP8_E4M3 && valid) ? scale_split(S.scales[chunk]).y : 1.f;
             float ens = 0.f;
 #pragma unroll
             for (u32 i = 0; i < FM_SCORERS; ++i) {
                 float si = 0.f;
 #pragma unroll
                 for (u32 g = 0; g < FM_HGROUPS; ++g) si += valid ? sh_part[(i * FM_HGROUPS + g) * FM_TILE + row] : 0.f;
+                si *= post;  // an overflow here is the score's own: caught below
                 ens = B.mean ? ens + si : (i == 0 ? si : fmaxf(ens, si));
             }
             if (B.mean) ens *= 1.f / FM_SCORERS;

@@ -294,11 +294,6 @@ __device__ __forceinline__ void ensemble_fold(float si, u32 sc, bool mean, float
     ens = mean ? ens + si : (sc == 0 ? si : fmaxf(ens, si));
 }
 
-// A chunk scale the fp8 kernels' per-row path takes: positive and finite
-// (relu(scale * x) = scale * relu(x), so the scale multiplies each scorer's
-// sum once).
-__device__ __forceinline__ bool positive_finite(float scale) { return scale > 0.f && scale <= 3.40282347e38f; }
-
 // Files a row's score: its sortable key (the lowest score after an error)
 // and its histogram count; one lane of the quad writes.
 __device__ __forceinline__ void wg_file_score(float ens, bool finite, bool in, u32 chunk, u32 lane, const ScoreSeq& S, u32* sh_hist,
@@ -371,15 +366,18 @@ __device__ __forceinline__ void wg_rows_score(const float* d, const float (*wv)[
         d, 0, [&](u32 j) { return make_float2(wv[j][0], wv[j][1]); }, [&](u32, float a) { return a; }, no_post, mean, ens, finite);
 }
 
-// One row (`half`) of fp8 keys converted to bf16 (fm_score_wg; see there):
-// x = scale * (q . key), checked as wg_rows_score, and a non-finite scale
-// too.
+// One row (`half`) of fp8 keys converted to bf16 (fm_score_wg; see there),
+// checked as wg_rows_score, and a non-finite scale too. The scale's sign
+// multiplies each product, its magnitude each scorer's sum (scale_split):
+// a head's scale * (q . key) may lie above the float range where the
+// weighted score does not.
 __device__ __forceinline__ float wg_row_score_scaled(const float* d, u32 half, const float (*wv)[2], float scale, bool mean, bool& finite) {
     finite = isfinite(d[2 * half]) && isfinite(scale);
+    const float2 f = scale_split(scale);
     float ens;
     head_sums<1>(
-        d, half, [&](u32 j) { return make_float2(wv[j][0], wv[j][1]); }, [&](u32, float a) { return a * scale; }, no_post, mean, &ens,
-        &finite);
+        d, half, [&](u32 j) { return make_float2(wv[j][0], wv[j][1]); }, [&](u32, float a) { return a * f.x; },
+        [&](u32, u32, float si) { return si * f.y; }, mean, &ens, &finite);
     return ens;
 }
 

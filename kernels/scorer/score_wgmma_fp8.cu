@@ -41,19 +41,26 @@ __device__ __forceinline__ u32 e4m3x2_hi_to_f16x2(u32 four) {
 // The head weights of n-tile j's two columns of this thread, from shared memory.
 __device__ __forceinline__ float2 sh_weights(const float* sh_w, u32 lane, u32 j) { return *(const float2*)(sh_w + j * 8 + 2 * (lane & 3u)); }
 
-// One row, any scale: x = d * c (c normal) or (d * inv) * scale per
-// accumulator, then the ensemble as wg_row_score_scaled.
-// (`normal`: c = scale * 2^-e is a normal float; chosen per element, not by
-// a branch around the call: rows of one warp can differ, and head_sums'
-// full-warp shuffles must not sit in divergent branches.)
-__device__ __forceinline__ float wg8_row_score(const float* d, u32 half, const float* sh_w, u32 lane, float c, float inv, float scale,
-                                               bool normal, bool mean, bool& finite) {
-    finite = isfinite(d[2 * half]) && isfinite(scale);
-    float ens;
-    head_sums<1>(
-        d, half, [&](u32 j) { return sh_weights(sh_w, lane, j); },
-        [&](u32, float a) { return normal ? a * c : (a * inv) * scale; }, no_post, mean, &ens, &finite);
-    return ens;
+// Both rows of this thread when some row of the warp has a scale that is
+// not positive and finite (zero, negative, non-finite): each row's scale
+// split as scale_split (sign, |scale|), the first factor multiplied into
+// the row's accumulators in place, as relu(scale * x) = |scale| * relu(sign
+// * x), and `scale` replaced by the second (|scale|, or 1), positive and
+// finite: the rows then take the positive path, which never forms a head's
+// scale * dot product (it can lie above the float range where the weighted
+// score does not). A non-finite scale leaves the row's accumulators
+// non-finite (x * inf, 0 * inf), so the positive path's check of d finds it.
+__device__ __forceinline__ void wg8_split_rows(float* d, float* scale) {
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+        const float2 f = scale_split(scale[h]);
+        scale[h] = f.y;
+#pragma unroll
+        for (u32 j = 0; j < FM_QROWS / 8; ++j) {
+            d[4 * j + 2 * h] *= f.x;
+            d[4 * j + 2 * h + 1] *= f.x;
+        }
+    }
 }
 
 // Both rows of this thread when every row of the warp has a positive finite
@@ -316,27 +323,15 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
         wgmma_wait0();
         TR(8);
 
-        if (__all_sync(KVS_FULL_MASK, positive_finite(scales[0]) && positive_finite(scales[1]))) {
+        // Scales not all positive and finite: split in place, so that every
+        // row takes the positive path.
+        if (!__all_sync(KVS_FULL_MASK, positive_finite(scales[0]) && positive_finite(scales[1]))) wg8_split_rows(d, scales);
+        {
             float ens[2];
             bool finite[2];
             wg8_rows_score_pos(d, sh_w, lane, scales, inv, mean, ens, finite);
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], lane, S, sh_hist, bad, bad_chunk);
-            TR(9);
-            continue;
-        }
-        // Any scale (zero, negative, non-finite): per element.
-#pragma unroll
-        for (u32 half = 0; half < 2; ++half) {
-            const u32 chunk = chunks[half];
-            const bool in = chunk < n;
-            const float scale = scales[half];
-            const float c = scale * inv;
-            bool finite;
-            float ens;
-            const bool normal = fabsf(c) >= 1.17549435e-38f && fabsf(c) <= 3.40282347e38f;
-            ens = wg8_row_score(d, half, sh_w, lane, c, inv, scale, normal, mean, finite);
-            wg_file_score(ens, finite, in, chunk, lane, S, sh_hist, bad, bad_chunk);
         }
         TR(9);
     }
@@ -366,7 +361,9 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
 // folded into the head weight as w_h * 2^(e_h - E) (E the scorer's largest
 // e_h, exact unless that product leaves the normal range) and 2^E into the
 // scorer's sum with the chunk's scale: c = scale * 2^E when 2^E and c are
-// normal floats (one multiply per scorer sum), else scalbn(sum * scale, E).
+// normal floats (one multiply per scorer sum), else the sum times scale and
+// 2^E in two steps (scaled_sum). Other scales (zero, negative, non-finite)
+// are split into the accumulators first (wg8_split_rows).
 #define WG8Q_Q_BYTES (FM_QROWS * FM_HEAD_DIM)                  // Q: e4m3, 128-byte rows
 #define WG8Q_GROUP_BYTES (WG_STAGES * WG_RAW_BYTES + 1024)     // raw tiles + their scales, 1024-aligned
 #define WG8Q_ZERO_HEAD (-100000)                               // e of an all-zero head: left out of E
@@ -646,19 +643,22 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
         // scorer's sum once) and every c = scale * 2^E a normal float (exact
         // then): one multiply per scorer sum, no other path issued beside it.
         // Positive finite scales with some c not normal (extreme scales or
-        // exponents) take the same sums with scalbn(sum * scale, E).
+        // exponents) take the same sums times scale and 2^E in two steps
+        // (scaled_sum: neither scale * 2^E nor sum * scale is formed).
+        // Other scales (zero, negative, non-finite) are split in place
+        // first (wg8_split_rows), so that every row takes this path.
+        if (!__all_sync(KVS_FULL_MASK, positive_finite(scales[0]) && positive_finite(scales[1]))) wg8_split_rows(d, scales);
         float c[2][FM_SCORERS];
-        bool positive = true, normal = true;
+        bool normal = true;
 #pragma unroll
         for (u32 h = 0; h < 2; ++h) {
-            positive &= positive_finite(scales[h]);
 #pragma unroll
             for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
                 c[h][sc] = scales[h] * p2E[sc];
                 normal &= c[h][sc] >= 1.17549435e-38f && c[h][sc] <= 3.40282347e38f;
             }
         }
-        if (__all_sync(KVS_FULL_MASK, positive)) {
+        {
             float ens[2];
             bool finite[2];
 #pragma unroll
@@ -709,22 +709,9 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
                 // Some c not a normal float: the sums rescaled in two steps.
                 head_sums<2>(
                     d, 0, [&](u32 j) { return wq_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
-                    [&](u32 h, u32 s, float si) { return scalbnf(si * scales[h], E[s]); }, mean, ens, finite);
+                    [&](u32 h, u32 s, float si) { return scaled_sum(si, scales[h], E[s]); }, mean, ens, finite);
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], lane, S, sh_hist, bad, bad_chunk);
-            TR(8);
-            continue;
-        }
-        // Any other scale (zero, negative, non-finite): per element.
-#pragma unroll
-        for (u32 half = 0; half < 2; ++half) {
-            const float scale = scales[half];
-            bool finite = isfinite(d[2 * half]) && isfinite(scale);
-            float ens;
-            head_sums<1>(
-                d, half, [&](u32 j) { return wq_weights(sh_w, lane, j); }, [&](u32, float a) { return a * scale; },
-                [&](u32, u32 s, float si) { return scalbnf(si, E[s]); }, mean, &ens, &finite);
-            wg_file_score(ens, finite, chunks[half] < n, chunks[half], lane, S, sh_hist, bad, bad_chunk);
         }
         TR(8);
     }
