@@ -420,7 +420,8 @@ fn cuda_scorer_matches_reference_on_random_inputs() {
 /// several tiles through its ring (a slot is refilled while the tile before
 /// it is still being multiplied), for 128- and 64-dim heads, each key dtype
 /// and both ensembles, against the reference. fp8 keys get some zero and
-/// negative scales, so the per-element epilogue also runs across tiles. Not
+/// negative scales, so the split of such scales (wg8_split_rows) also runs
+/// across tiles. Not
 /// scaled by KVSWAP_TEST_SCALE: the length is what it tests.
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
@@ -467,11 +468,11 @@ fn cuda_scorer_long_call_matches_reference() {
 /// c = scale * 2^E there, nor scale a head's dot product (in units of
 /// 2^e) before its weight shrinks it: for many chunks that product alone
 /// is above the float range (NOTES s33's review case: scale 2^110, E 20,
-/// scored inf on the per-element path). Every seventh chunk has the
+/// scored inf on the per-element path it had then). Every seventh chunk has the
 /// negative scale and flipped codes of the same scores, so that warps
-/// mixing signs take the kernels' per-row paths, which must not form that
-/// product either (the portable and converting kernels scored every row
-/// so, NOTES s35). Returns the checkpoint, hidden
+/// mixing signs split their scales (wg8_split_rows) and the portable and
+/// converting kernels (which scored every row so, NOTES s35) see both
+/// signs; none may form that product. Returns the checkpoint, hidden
 /// state, keys, how many chunks have scale * 2^E >= 2^129 for every
 /// scorer, and how many have a head with |dot| * scale >= 2^128.
 fn scale_beyond_float_range_case(rng: &mut Rng) -> (Arc<Checkpoint>, Vec<f32>, HostKeys, usize, usize) {
@@ -516,7 +517,7 @@ fn scale_beyond_float_range_case(rng: &mut Rng) -> (Arc<Checkpoint>, Vec<f32>, H
         if c % 7 == 3 {
             // The same scores from a negative scale and every code's sign
             // flipped (relu(-s * -x) = relu(s * x)): warps whose rows mix
-            // signs take the kernels' per-row path.
+            // signs split their scales into the accumulators.
             keys.scales[c] = -keys.scales[c];
             for b in &mut keys.bytes[c * dim..(c + 1) * dim] {
                 if *b != 0 {
@@ -610,8 +611,8 @@ fn cuda_scorer_adversarial_inputs() {
     check_topk(&got, &scores, &tol, 512, "k > n");
     // fp8 scales of any sign and size: 64-chunk tiles alternate between
     // positive scales (3e-39 .. 2e30: the kernel's positive-scale path, both
-    // of its rescaling branches) and mixed ones (negative, zero: the
-    // per-element path), so both paths meet in one ranking.
+    // of its rescaling branches) and mixed ones (negative, zero: split into
+    // the accumulators first), so both meet in one ranking.
     let mut keys = HostKeys::random(&mut rng, KeyDtype::Fp8E4m3, 6000, dim as usize, 1.0);
     for c in 0..keys.n {
         let mag = [3e-39f32, 1e-30, 0.01, 0.5, 1.0, 7.0, 1e30][rng.below(7) as usize] * (1.0 + rng.below(100) as f32 / 100.0);

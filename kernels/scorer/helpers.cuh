@@ -115,24 +115,40 @@ __device__ __forceinline__ uint4 f32x8_to_bf16x8(const float* p) {
 // finite (relu(scale * x) = scale * relu(x), so the scale multiplies each
 // scorer's sum once).
 __device__ __forceinline__ bool positive_finite(float scale) { return scale > 0.f && scale <= 3.40282347e38f; }
-// The factors (before the relu, after a scorer's head sum) any chunk scale
-// splits into: (sign, |scale|) for a finite nonzero scale, as relu(scale *
-// x) = |scale| * relu(sign * x), so that a head's scale * dot product,
-// which can lie above the float range where the weighted score does not,
-// is never formed; else (scale, 1): zero, and non-finite scales (an error).
+// The factors (before the relu, after a scorer's head sum) a chunk scale
+// splits into for accumulators normalised by a power of two (the fp8
+// wgmma kernels: |q . key| far from the float range's ends): (sign,
+// |scale|) for a finite nonzero scale, as relu(scale * x) = |scale| *
+// relu(sign * x), so that a head's scale * dot product, which can lie
+// above the float range where the weighted score does not, is never
+// formed; else (scale, 1): zero, and non-finite scales (an error).
 __device__ __forceinline__ float2 scale_split(float scale) {
     const bool finite_nonzero = scale != 0.f && fabsf(scale) <= 3.40282347e38f;
     return finite_nonzero ? make_float2(copysignf(1.f, scale), fabsf(scale)) : make_float2(scale, 1.f);
 }
+// The same for raw accumulators (fm_score, fm_score_wg's converted keys:
+// q . key as it is, any size): a scale above 1 in magnitude goes after the
+// head sum as scale_split's magnitude, any other before the relu, so that
+// the scale never takes an intermediate past the float range where the
+// score is in it (a sum before a scale below 1 could be): (sign * min(|s|,
+// 1), max(|s|, 1)). Callers check the scale finite themselves (NaN gives
+// (1, 1) here).
+__device__ __forceinline__ float2 scale_split_raw(float scale) {
+    const float a = fabsf(scale);
+    return make_float2(copysignf(fminf(a, 1.f), scale), fmaxf(a, 1.f));
+}
 
-// si * scale * 2^E for a finite nonzero scale (scale_split's second
-// factor): with scale = m * 2^k, m in [0.5, 1) and exact, scalbn(si * m,
-// k + E), one rounding. Neither scale * 2^E nor si * scale is formed:
-// either can leave the float range (or lose bits below it) where the
-// result does not. (frexpf does the same split; in fm_score_wg_fp8q's
-// 4-scorer build it spilled, NOTES s34.)
+// si * scale * 2^E for a positive finite scale and E within +-300 (the
+// off-path rescaling of the fp8 wgmma kernels): with scale = m * 2^k (m in
+// [0.5, 1), exact, from the float's bits; a subnormal scale normalised by
+// 2^24 first), scalbn(si * m, k + E). Neither scale * 2^E nor si * scale is
+// formed: either can leave the float range (or lose bits below it) where
+// the result does not. Rounded once where si * m and the result are normal
+// floats; below that, within the subnormal step of each. (frexpf does the
+// same split and spilled fm_score_wg_fp8q's 4-scorer build, s34; the exact
+// double product spilled fm_score_wg_fp8's, s35.)
 __device__ __forceinline__ float scaled_sum(float si, float scale, int E) {
-    const bool sub = fabsf(scale) < 1.17549435e-38f;  // subnormal: normalised by 2^24 first
+    const bool sub = scale < 1.17549435e-38f;
     const u32 b = __float_as_uint(sub ? scale * 16777216.f : scale);
     const int k = (int)((b >> 23) & 0xffu) - 126 - (sub ? 24 : 0);
     const float m = __uint_as_float((b & 0x807fffffu) | (126u << 23));

@@ -243,12 +243,13 @@ fm_score(ScoreBatch B, u32* err) {
             for (u32 half = 0; half < 2; ++half) {
                 const u32 row = rgroup * FM_WROWS + m * 16 + (lane >> 2) + half * 8;
                 const u32 chunk = c0 + row;
-                // fp8: the scale's sign (or a zero or non-finite scale)
-                // multiplies each product here, its magnitude the scorer
-                // sums below (scale_split).
-                const float pre = (B.dtype == FM_KEYS_FP8_E4M3 && chunk < S.n) ? scale_split(S.scales[chunk]).x : 1.f;
+                // fp8: a scale above 1 in magnitude multiplies the scorer
+                // sums below and its sign each product here, any other scale
+                // each product (scale_split_raw).
+                const float scale = (B.dtype == FM_KEYS_FP8_E4M3 && chunk < S.n) ? S.scales[chunk] : 1.f;
+                const float pre = scale_split_raw(scale).x;
                 float s = 0.f;
-                bool finite = true;
+                bool finite = isfinite(scale);
 #pragma unroll
                 for (u32 nt = 0; nt < FM_WHEADS / 8; ++nt) {
 #pragma unroll
@@ -273,7 +274,7 @@ fm_score(ScoreBatch B, u32* err) {
             const u32 chunk = c0 + row;
             const bool valid = row < FM_TILE && chunk < S.n;
             if (!__any_sync(KVS_FULL_MASK, valid)) continue;
-            const float post = (B.dtype == FM_KEYS_FP8_E4M3 && valid) ? scale_split(S.scales[chunk]).y : 1.f;
+            const float post = (B.dtype == FM_KEYS_FP8_E4M3 && valid) ? scale_split_raw(S.scales[chunk]).y : 1.f;
             float ens = 0.f;
 #pragma unroll
             for (u32 i = 0; i < FM_SCORERS; ++i) {

@@ -367,13 +367,13 @@ __device__ __forceinline__ void wg_rows_score(const float* d, const float (*wv)[
 }
 
 // One row (`half`) of fp8 keys converted to bf16 (fm_score_wg; see there),
-// checked as wg_rows_score, and a non-finite scale too. The scale's sign
-// multiplies each product, its magnitude each scorer's sum (scale_split):
-// a head's scale * (q . key) may lie above the float range where the
-// weighted score does not.
+// checked as wg_rows_score, and a non-finite scale too. The scale split as
+// scale_split_raw: a head's scale * (q . key) may lie above the float range
+// where the weighted score does not, and a head sum before a scale below 1
+// too.
 __device__ __forceinline__ float wg_row_score_scaled(const float* d, u32 half, const float (*wv)[2], float scale, bool mean, bool& finite) {
     finite = isfinite(d[2 * half]) && isfinite(scale);
-    const float2 f = scale_split(scale);
+    const float2 f = scale_split_raw(scale);
     float ens;
     head_sums<1>(
         d, half, [&](u32 j) { return make_float2(wv[j][0], wv[j][1]); }, [&](u32, float a) { return a * f.x; },

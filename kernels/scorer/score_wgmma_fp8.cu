@@ -66,22 +66,27 @@ __device__ __forceinline__ void wg8_split_rows(float* d, float* scale) {
 // Both rows of this thread when every row of the warp has a positive finite
 // scale: relu(scale * x) = scale * relu(x), so each scorer's sum of w * relu(x)
 // is taken over the raw dot products and multiplied once by scale * 2^-e
-// (when that product is not a normal float, by 2^-e and the scale in turn):
-// two instructions per accumulator instead of three, and one head weight
-// load for both rows.
-__device__ __forceinline__ void wg8_rows_score_pos(const float* d, const float* sh_w, u32 lane, const float* scale, float inv,
+// (when that product is not a normal float for some row of the warp, by
+// scaled_sum): two instructions per accumulator instead of three, and one
+// head weight load for both rows.
+__device__ __forceinline__ void wg8_rows_score_pos(const float* d, const float* sh_w, u32 lane, const float* scale, float inv, int e,
                                                    bool mean, float* ens, bool* finite) {
     float c[2];
-    bool normal[2];
+    bool normal = true;
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) {
         c[h] = scale[h] * inv;
-        normal[h] = c[h] >= 1.17549435e-38f && c[h] <= 3.40282347e38f;
+        normal &= c[h] >= 1.17549435e-38f && c[h] <= 3.40282347e38f;
         finite[h] = isfinite(d[2 * h]);
     }
-    head_sums<2>(
-        d, 0, [&](u32 j) { return sh_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
-        [&](u32 h, u32, float si) { return normal[h] ? si * c[h] : (si * inv) * scale[h]; }, mean, ens, finite);
+    if (__all_sync(KVS_FULL_MASK, normal))
+        head_sums<2>(
+            d, 0, [&](u32 j) { return sh_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
+            [&](u32 h, u32, float si) { return si * c[h]; }, mean, ens, finite);
+    else
+        head_sums<2>(
+            d, 0, [&](u32 j) { return sh_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
+            [&](u32 h, u32, float si) { return scaled_sum(si, scale[h], -e); }, mean, ens, finite);
 }
 
 // Starts the copy of fp8 rows [c0, c0 + WG_ROWS) into a raw tile (as
@@ -329,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
         {
             float ens[2];
             bool finite[2];
-            wg8_rows_score_pos(d, sh_w, lane, scales, inv, mean, ens, finite);
+            wg8_rows_score_pos(d, sh_w, lane, scales, inv, e, mean, ens, finite);
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], lane, S, sh_hist, bad, bad_chunk);
         }
