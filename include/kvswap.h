@@ -724,7 +724,7 @@ enum KvswapStatus fm_scorer_set_query(struct FmScorer *scorer, KvswapFmQuery que
 // selection sorts scores into 4,096 bins (each a band 6-12% wide); when
 // the k-th score's bin and the bins above it hold more than 4,096 chunks
 // (scores crowded together), it narrows them in a slower path. On an H200
-// at 262,144 chunks and k = 512 that path added 32-40 us to the 34.9 us of
+// at 262,144 chunks and k = 512 that path added 32-41 us to the 34.5 us of
 // a scoring pass with q and w given (`kvswap bench --backend cuda
 // --scorer`, its "scores" table).
 //

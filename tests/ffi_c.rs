@@ -324,13 +324,13 @@ fn readme_c_example_compiles_and_links() {
     let code = section.split("```c\n").nth(1).and_then(|s| s.split("```").next()).expect("a ```c block in the C API section");
     let src = format!(
         "#include <stdio.h>\n#include \"kvswap.h\"\n\
-         enum KvswapStatus example(int32_t chunk_id, const void *chunk_src, KvswapStream stream, const FmScorer *scorer,\n\
-         \x20                        const float *hidden, FmKeys keys, size_t n_chunks);\n\
-         enum KvswapStatus example(int32_t chunk_id, const void *chunk_src, KvswapStream stream, const FmScorer *scorer,\n\
-         \x20                        const float *hidden, FmKeys keys, size_t n_chunks) {{\n{code}    return st;\n}}\n\
+         enum KvswapStatus example(int32_t chunk_id, const void *chunk_src, KvswapStream stream, const float *hidden,\n\
+         \x20                        const void *index_keys, size_t n_chunks);\n\
+         enum KvswapStatus example(int32_t chunk_id, const void *chunk_src, KvswapStream stream, const float *hidden,\n\
+         \x20                        const void *index_keys, size_t n_chunks) {{\n{code}    return st;\n}}\n\
          int main(int argc, char **argv) {{\n\
          \x20   (void)argv;\n\
-         \x20   if (argc > 99) return (int)example(0, NULL, NULL, NULL, NULL, (FmKeys){{0}}, 0);\n\
+         \x20   if (argc > 99) return (int)example(0, NULL, NULL, NULL, NULL, 0);\n\
          \x20   printf(\"%s\\n\", kvswap_version());\n\
          \x20   return 0;\n}}\n"
     );
