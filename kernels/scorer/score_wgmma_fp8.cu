@@ -41,16 +41,18 @@ __device__ __forceinline__ u32 e4m3x2_hi_to_f16x2(u32 four) {
 // The head weights of n-tile j's two columns of this thread, from shared memory.
 __device__ __forceinline__ float2 sh_weights(const float* sh_w, u32 lane, u32 j) { return *(const float2*)(sh_w + j * 8 + 2 * (lane & 3u)); }
 
-// Both rows of this thread when some row of the warp has a scale that is
-// not positive and finite (zero, negative, non-finite): each row's scale
-// split as scale_split (sign, |scale|), the first factor multiplied into
-// the row's accumulators in place, as relu(scale * x) = |scale| * relu(sign
-// * x), and `scale` replaced by the second (|scale|, or 1), positive and
-// finite: the rows then take the positive path, which never forms a head's
-// scale * dot product (it can lie above the float range where the weighted
-// score does not). A non-finite scale leaves the row's accumulators
-// non-finite (x * inf, 0 * inf), so the positive path's check of d finds it.
+// Both rows of this thread, before the positive path: when some row of the
+// warp has a scale that is not positive and finite (zero, negative,
+// non-finite; a warp-uniform test), each row's scale is split as
+// scale_split (sign, |scale|), the first factor multiplied into the row's
+// accumulators in place, as relu(scale * x) = |scale| * relu(sign * x), and
+// `scale` replaced by the second (|scale|, or 1), positive and finite: every
+// row then takes the positive path, which never forms a head's scale * dot
+// product (it can lie above the float range where the weighted score does
+// not). A non-finite scale leaves the row's accumulators non-finite (x *
+// inf, 0 * inf), so the positive path's check of d finds it.
 __device__ __forceinline__ void wg8_split_rows(float* d, float* scale) {
+    if (__all_sync(KVS_FULL_MASK, positive_finite(scale[0]) && positive_finite(scale[1]))) return;
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) {
         const float2 f = scale_split(scale[h]);
@@ -328,9 +330,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
         wgmma_wait0();
         TR(8);
 
-        // Scales not all positive and finite: split in place, so that every
-        // row takes the positive path.
-        if (!__all_sync(KVS_FULL_MASK, positive_finite(scales[0]) && positive_finite(scales[1]))) wg8_split_rows(d, scales);
+        wg8_split_rows(d, scales);  // every row on the positive path
         {
             float ens[2];
             bool finite[2];
@@ -652,7 +652,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
         // (scaled_sum: neither scale * 2^E nor sum * scale is formed).
         // Other scales (zero, negative, non-finite) are split in place
         // first (wg8_split_rows), so that every row takes this path.
-        if (!__all_sync(KVS_FULL_MASK, positive_finite(scales[0]) && positive_finite(scales[1]))) wg8_split_rows(d, scales);
+        wg8_split_rows(d, scales);
         float c[2][FM_SCORERS];
         bool normal = true;
 #pragma unroll
