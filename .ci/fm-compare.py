@@ -3,7 +3,10 @@
 and the PyTorch baseline (shared/bench/torch_fm_baseline.py --json, one file per
 scope), measured in the same GPU session.
 
-  fm-compare.py kvswap-fm.json torch-score.json torch-full.json
+  fm-compare.py kvswap-fm.json torch-score.json torch-full.json [torch-floor.json]
+
+torch-floor.json (.ci/torch-graph-floor.py): the timing method's floor on the
+PyTorch side, printed beside kvswap's (launch_floor_us).
 """
 import json
 import sys
@@ -13,9 +16,12 @@ ORIGINAL_ENGINE_US = 10_000.0  # the reference engine's +10 ms per token for glo
 
 def main():
     kv = json.load(open(sys.argv[1]))
-    torch = {}
+    torch, floor = {}, None
     for path in sys.argv[2:]:
         t = json.load(open(path))
+        if "torch_graph_floor_us" in t:
+            floor = t
+            continue
         for row in t["rows"]:
             torch[(t["args"]["scope"], row["chunks"])] = row["score_topk_graph_us"]
     print(f"# {kv['device']}: kvswap beside PyTorch (CUDA-graph replay, same shapes, same session)")
@@ -24,6 +30,10 @@ def main():
     read = f" (a streaming read reaches {kv['read_gbps']:.0f} GB/s)" if "read_gbps" in kv else ""
     print(f"# floor = bytes read once / {kv['copy_gbps']:.0f} GB/s measured device copy{read}; PyTorch has no fp8 path: "
           "fp8 rows are compared with PyTorch on bf16 keys")
+    if "launch_floor_us" in kv:
+        torch_floor = f", PyTorch {floor['torch_graph_floor_us']:.1f} us (graph.replay() from Python)" if floor else ""
+        print(f"# the method's own floor, a graph of one empty kernel: kvswap {kv['launch_floor_us']:.1f} us (cuGraphLaunch){torch_floor}; "
+              "every row includes its side's")
     print(f"{'scope':>6} {'keys':>10} {'chunks':>9} {'kvswap_us':>10} {'back2back_us':>13} {'torch_us':>9} {'vs_torch':>9} "
           f"{'floor_us':>9} {'x_floor':>8} {'vs_10ms':>8}")
     for r in kv["rows"]:

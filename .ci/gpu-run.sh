@@ -217,7 +217,8 @@ if [[ $what == fm || $what == all ]]; then
     SIZES=${FM_SIZES:-16384,65536,262144,1048576}
     step torch-score python3 .gpu/torch_fm_baseline.py --scope score --sizes $SIZES --json "$OUT/torch-score.json"
     step torch-full  python3 .gpu/torch_fm_baseline.py --scope full --sizes $SIZES --json "$OUT/torch-full.json"
-    python3 .ci/fm-compare.py "$OUT/bench-fm.json" "$OUT/torch-score.json" "$OUT/torch-full.json" | tee "$OUT/fm-compare.txt"
+    step torch-floor python3 .ci/torch-graph-floor.py --json "$OUT/torch-floor.json"
+    python3 .ci/fm-compare.py "$OUT/bench-fm.json" "$OUT/torch-score.json" "$OUT/torch-full.json" "$OUT/torch-floor.json" | tee "$OUT/fm-compare.txt"
   fi
 fi
 if [[ $what == ncu-detail ]]; then

@@ -633,6 +633,12 @@ pub struct FmReport {
     /// second (GB/s): what a kernel that only reads, as the projections and
     /// the scoring do, can reach. The floors use the copy rate.
     pub read_gbps: f64,
+    /// One empty kernel per graph, timed as the rows are (event pair around
+    /// each replay, median): the method's floor, in every row (us).
+    pub launch_floor_us: f64,
+    /// The same with three empty kernels (a call's launches: scoring, two
+    /// for the top-k).
+    pub launch_floor3_us: f64,
     pub scorers: usize,
     pub heads: usize,
     pub head_dim: usize,
@@ -733,8 +739,7 @@ impl FmBench<'_> {
 /// (kvswap_read_probe: four 16-byte loads in flight per thread, a full
 /// device of threads, nothing written).
 fn read_rate(dev: &Device, buf: &DeviceBuffer, bytes: usize, s: sys::CUstream, rounds: usize) -> Result<f64> {
-    let cubin = crate::backend::cuda::nvrtc::compile_cached("bench.cu", crate::kernels::BENCH_CU, dev.cc)?;
-    let module = Module::load(&cubin)?;
+    let module = probe_module(dev)?;
     let probe = module.function(c"kvswap_read_probe")?;
     let blocks = 8 * dev.sm_count as u32;
     let out = DeviceBuffer::alloc(4 * blocks as usize, "read probe out")?;
@@ -744,6 +749,32 @@ fn read_rate(dev: &Device, buf: &DeviceBuffer, bytes: usize, s: sys::CUstream, r
     // u32*); p holds n 16-byte items, o one u32 per block.
     let ms = time_ms(s, rounds, || unsafe { probe.launch(blocks, 256, 0, s, &mut params) })?;
     Ok(bytes as f64 / (ms * 1e-3) / 1e9)
+}
+
+/// kernels/bench.cu, loaded (the device's context current).
+fn probe_module(dev: &Device) -> Result<Module> {
+    Module::load(&crate::backend::cuda::nvrtc::compile_cached("bench.cu", crate::kernels::BENCH_CU, dev.cc)?)
+}
+
+/// The timing method's own floor: median us of a graph of one and of three
+/// empty kernels (kvswap_read_probe over nothing, one block), an event pair
+/// around each of `reps` replays, as every row of the scorer table is timed:
+/// the graph launch and the events, which no kernel work can remove.
+fn launch_floor(dev: &Device, s: sys::CUstream, reps: usize) -> Result<[f64; 2]> {
+    let module = probe_module(dev)?;
+    let probe = module.function(c"kvswap_read_probe")?;
+    let out = DeviceBuffer::alloc(16, "launch floor out")?;
+    let (mut p, mut n, mut never, mut o) = (out.ptr, 0u64, 0u32, out.ptr);
+    let mut params = kernel_params![p, n, never, o];
+    let mut floor = [0.0; 2];
+    for (slot, kernels) in [(0, 1), (1, 3)] {
+        // SAFETY: parameters match kvswap_read_probe(const uint4*, u64, u32,
+        // u32*); n = 0 items: nothing is read, and o (one u32) is written
+        // only by a block whose fold equals `never`, which none reaches.
+        let g = Graph::capture(s, || (0..kernels).try_for_each(|_| unsafe { probe.launch(1, 32, 0, s, &mut params) }))?;
+        floor[slot] = time_ms(s, reps, || g.launch(s))? * 1e3;
+    }
+    Ok(floor)
 }
 
 /// The FlashMemory scorer benchmark: `score` (q and w given) and `full`
@@ -762,6 +793,7 @@ pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
     let copy_gbps = 2.0 * copy_bytes as f64 / (copy_ms * 1e-3) / 1e9;
     let read_gbps = read_rate(&dev, &a, copy_bytes, s, rounds)?;
     drop((a, b));
+    let [launch_floor_us, launch_floor3_us] = launch_floor(&dev, s, if quick { 20 } else { 100 })?;
 
     let meta = Meta { n_scorers: 3, hidden: 4096, n_heads: 64, head_dim: 128, ensemble: crate::config::Ensemble::Max };
     let tensors = fmwrite::random(&meta, WeightDtype::Bf16, 7)?;
@@ -888,6 +920,8 @@ pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
         device: format!("{} (sm_{}{}, {} SMs)", dev.name, dev.cc.0, dev.cc.1, dev.sm_count),
         copy_gbps,
         read_gbps,
+        launch_floor_us,
+        launch_floor3_us,
         scorers: sc,
         heads: h,
         head_dim: d,
@@ -1057,6 +1091,10 @@ pub fn render_fm(r: &FmReport) -> String {
     }
     s += "kvswap_us: one call per graph, median of event-timed replays (the baseline's method); \
           back2back_us: per call of 20 calls in one graph\n";
+    s += &format!(
+        "the method's floor (graph launch and events): {:.1} us for a graph of one empty kernel, {:.1} us for three\n",
+        r.launch_floor_us, r.launch_floor3_us
+    );
     s += &format!("\n{:>5} {:>14} {:>10} {:>12} {:>16}\n", "seqs", "chunks_per_seq", "batch_us", "per_seq_us", "single_call_us");
     for b in &r.batch {
         s += &format!("{:>5} {:>14} {:>10.1} {:>12.1} {:>16.1}\n", b.seqs, b.chunks_per_seq, b.batch_us, b.per_seq_us, b.single_call_us);

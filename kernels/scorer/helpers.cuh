@@ -209,8 +209,16 @@ __device__ __forceinline__ void flush_hist(const u32* sh_hist, u32* hist) {
 // the first scoring block's start) and resets them. CT_EXIT stamps when the
 // block leaves by any return.
 #ifdef FM_CTRACE
-#define CT_SLOTS 8  // score entry min, max; score loop start max; score exit max; select past its wait min; select exit max; order past its wait min; order exit max
-__device__ unsigned long long fm_ct[CT_SLOTS] = {~0ull, 0, 0, 0, ~0ull, 0, ~0ull, 0};
+// Slots: 0 score entry min, 1 max; 2 score loop start max; 3 score exit
+// max; 4 select past its wait min; 5 select exit max; 6 order past its wait
+// min; 7 order exit max; 8 score exit min; 9 score loop end max (thread 0:
+// warpgroup 0's loop); 10 select past its wait max; 11 select threshold
+// found max; 12 select filed max; 13 order past its wait max; 14 order
+// candidates loaded max; 15 select exit min. (globaltimer ticks are 256 ns
+// apart on the H200.)
+#define CT_SLOTS 16
+#define CT_IS_MIN(i) ((i) == 0 || (i) == 4 || (i) == 6 || (i) == 8 || (i) == 15)
+__device__ unsigned long long fm_ct[CT_SLOTS] = {~0ull, 0, 0, 0, ~0ull, 0, ~0ull, 0, ~0ull, 0, 0, 0, 0, 0, 0, ~0ull};
 __device__ u32 fm_ct_done, fm_ct_calls;
 __device__ __forceinline__ unsigned long long ct_now() {
     unsigned long long t;
@@ -223,9 +231,15 @@ __device__ __forceinline__ unsigned long long ct_now() {
     if (threadIdx.x == 0) atomicMax(&fm_ct[i], ct_now())
 struct CtExit {
     u32 at;
-    __device__ ~CtExit() { CT_MAX(at); }
+    __device__ ~CtExit() {
+        if (CT_IS_MIN(at)) {
+            CT_MIN(at);
+        } else {
+            CT_MAX(at);
+        }
+    }
 };
-#define CT_EXIT(i) CtExit ct_exit_{i}
+#define CT_EXIT(i) CtExit ct_exit_##i{i}
 #else
 #define CT_MIN(i)
 #define CT_MAX(i)

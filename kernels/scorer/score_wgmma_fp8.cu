@@ -444,6 +444,7 @@ __device__ __forceinline__ u32 f32x2_to_e4m3x2(float lo, float hi) {
 
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(ScoreBatch B, u32* err) {
     CT_EXIT(3);
+    CT_EXIT(8);
     extern __shared__ u8 wg_smem_raw[];
     __shared__ __align__(16) u32 sh_hist[FM_HIST];
     // w_h * 2^(e_h - E) of each (scorer, head) column, in wq_at's order: the
@@ -720,6 +721,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
         }
         TR(8);
     }
+    CT_MAX(9);
     wg_scores_done(B, err, bad, bad_chunk);
     TR(10);
     flush_hist(sh_hist, S.hist);

@@ -301,7 +301,9 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
     __shared__ u32 s_base_sure, s_base_tie;
     wait_prerequisites();  // skey and hist come from the scoring kernel
     CT_MIN(4);
+    CT_MAX(10);
     CT_EXIT(5);
+    CT_EXIT(15);
     allow_dependents();
     const SelectSeq& S = B.seq[blockIdx.y];
     const u32 n = S.n;
@@ -321,6 +323,7 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
     }
     u32 n_sure, n_tie;
     const u32 b1 = threshold_bin(S.hist, want, &n_sure, &n_tie);
+    CT_MAX(11);
     if (blockIdx.x == 0 && threadIdx.x == 0) S.st->filed = (u64)n_sure | ((u64)n_tie << FM_ST_TIE_SHIFT);
     // 0 = out, 1 = tie, 2 = sure; counts packed sure | tie << 16 (< 2^16 each per block).
     u32 cls[FM_SEL_ITEMS], packed = 0;
@@ -340,6 +343,7 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
         s_base_tie = st_tie(old);
     }
     __syncthreads();
+    CT_MAX(12);
     u32 at_sure = s_base_sure + (at & 0xffffu), at_tie = s_base_tie + (at >> 16);
 #pragma unroll
     for (u32 j = 0; j < FM_SEL_ITEMS; ++j) {
@@ -512,6 +516,7 @@ extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBa
     __shared__ u32 part[FM_ORDER_SLICES][FM_ORDER_CANDS];
     wait_prerequisites();  // fm_select has filed and published the candidates
     CT_MIN(6);
+    CT_MAX(13);
 #ifdef FM_CTRACE
     struct CtLast {  // after every block's stamps: the last block prints
         __device__ ~CtLast() {
@@ -523,11 +528,12 @@ extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBa
             volatile unsigned long long* t = fm_ct;
             const double t0 = (double)t[0];
             if (t[0] != ~0ull && fm_ct_calls++ % 97 == 5)  // calls of a kernel with stamps (fm_score_wg_fp8q)
-                printf("FMCALL ns from the first score block: score blocks start by %.0f, loops start by %.0f, score end %.0f | select past wait %.0f, "
-                       "end %.0f | order past wait %.0f, end %.0f\n",
-                       t[1] - t0, t[2] - t0, t[3] - t0, t[4] - t0, t[5] - t0, t[6] - t0, t[7] - t0);
-            t[0] = t[4] = t[6] = ~0ull;
-            t[1] = t[2] = t[3] = t[5] = t[7] = 0;
+                printf("FMCALL ns from the first score block: score blocks start by %.0f, loops start by %.0f, loops end by %.0f, score end %.0f .. %.0f "
+                       "| select past wait %.0f .. %.0f, threshold by %.0f, filed by %.0f, end %.0f .. %.0f | order past wait %.0f .. %.0f, "
+                       "loaded by %.0f, end %.0f\n",
+                       t[1] - t0, t[2] - t0, t[9] - t0, t[8] - t0, t[3] - t0, t[4] - t0, t[10] - t0, t[11] - t0, t[12] - t0, t[15] - t0,
+                       t[5] - t0, t[6] - t0, t[13] - t0, t[14] - t0, t[7] - t0);
+            for (u32 i = 0; i < CT_SLOTS; ++i) t[i] = CT_IS_MIN(i) ? ~0ull : 0ull;
         }
     } ct_last_;
 #endif
@@ -555,6 +561,7 @@ extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBa
     for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x)
         keys[i - lo] = i < ns ? __ldcg(S.sure + i) : __ldcg(S.tie + (i - ns));
     __syncthreads();
+    CT_MAX(14);
     const u32 slot = threadIdx.x % FM_ORDER_CANDS, slice = threadIdx.x / FM_ORDER_CANDS;
     const u32 c = c0 + slot;
     u32 above = 0;
