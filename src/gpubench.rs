@@ -764,13 +764,13 @@ fn launch_floor(dev: &Device, s: sys::CUstream, reps: usize) -> Result<[f64; 2]>
     let module = probe_module(dev)?;
     let probe = module.function(c"kvswap_read_probe")?;
     let out = DeviceBuffer::alloc(16, "launch floor out")?;
-    let (mut p, mut n, mut never, mut o) = (out.ptr, 0u64, 0u32, out.ptr);
+    let (mut p, mut n, mut never, mut o) = (out.ptr, 0u64, 1u32, out.ptr);
     let mut params = kernel_params![p, n, never, o];
     let mut floor = [0.0; 2];
     for (slot, kernels) in [(0, 1), (1, 3)] {
         // SAFETY: parameters match kvswap_read_probe(const uint4*, u64, u32,
-        // u32*); n = 0 items: nothing is read, and o (one u32) is written
-        // only by a block whose fold equals `never`, which none reaches.
+        // u32*); n = 0 items: nothing is read, the fold stays 0, and o (one
+        // u32) would be written only if it equalled `never` (1).
         let g = Graph::capture(s, || (0..kernels).try_for_each(|_| unsafe { probe.launch(1, 32, 0, s, &mut params) }))?;
         floor[slot] = time_ms(s, reps, || g.launch(s))? * 1e3;
     }
