@@ -31,9 +31,11 @@ def main():
     print(f"# floor = bytes read once / {kv['copy_gbps']:.0f} GB/s measured device copy{read}; PyTorch has no fp8 path: "
           "fp8 rows are compared with PyTorch on bf16 keys")
     if "launch_floor_us" in kv:
-        torch_floor = f", PyTorch {floor['torch_graph_floor_us']:.1f} us (graph.replay() from Python)" if floor else ""
-        print(f"# the method's own floor, a graph of one empty kernel: kvswap {kv['launch_floor_us']:.1f} us (cuGraphLaunch){torch_floor}; "
+        torch_floor = f", PyTorch {floor['torch_graph_floor_us']:.1f} us (one tiny kernel, graph.replay() from Python)" if floor else ""
+        print(f"# the method's own floor, a graph of one kernel: kvswap {kv['launch_floor_us']:.1f} us (empty, cuGraphLaunch){torch_floor}; "
               "every row includes its side's")
+    elif floor:
+        print(f"# the method's own floor on PyTorch's side: {floor['torch_graph_floor_us']:.1f} us (a graph of one tiny kernel, graph.replay())")
     print(f"{'scope':>6} {'keys':>10} {'chunks':>9} {'kvswap_us':>10} {'back2back_us':>13} {'torch_us':>9} {'vs_torch':>9} "
           f"{'floor_us':>9} {'x_floor':>8} {'vs_10ms':>8}")
     for r in kv["rows"]:

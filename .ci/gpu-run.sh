@@ -218,7 +218,8 @@ if [[ $what == fm || $what == all ]]; then
     step torch-score python3 .gpu/torch_fm_baseline.py --scope score --sizes $SIZES --json "$OUT/torch-score.json"
     step torch-full  python3 .gpu/torch_fm_baseline.py --scope full --sizes $SIZES --json "$OUT/torch-full.json"
     step torch-floor python3 .ci/torch-graph-floor.py --json "$OUT/torch-floor.json"
-    python3 .ci/fm-compare.py "$OUT/bench-fm.json" "$OUT/torch-score.json" "$OUT/torch-full.json" "$OUT/torch-floor.json" | tee "$OUT/fm-compare.txt"
+    FLOOR=(); [[ -f $OUT/torch-floor.json ]] && FLOOR=("$OUT/torch-floor.json")  # the table without it if that step failed
+    python3 .ci/fm-compare.py "$OUT/bench-fm.json" "$OUT/torch-score.json" "$OUT/torch-full.json" "${FLOOR[@]}" | tee "$OUT/fm-compare.txt"
   fi
 fi
 if [[ $what == ncu-detail ]]; then

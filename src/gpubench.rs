@@ -770,7 +770,7 @@ fn launch_floor(dev: &Device, s: sys::CUstream, reps: usize) -> Result<[f64; 2]>
     for (slot, kernels) in [(0, 1), (1, 3)] {
         // SAFETY: parameters match kvswap_read_probe(const uint4*, u64, u32,
         // u32*); n = 0 items: nothing is read, the fold stays 0, and o (one
-        // u32) would be written only if it equalled `never` (1).
+        // u32) would be written only if the fold equalled `never` (1).
         let g = Graph::capture(s, || (0..kernels).try_for_each(|_| unsafe { probe.launch(1, 32, 0, s, &mut params) }))?;
         floor[slot] = time_ms(s, reps, || g.launch(s))? * 1e3;
     }

@@ -589,8 +589,8 @@ fn cuda_scorer_adversarial_inputs() {
     let keys = HostKeys::from_values(&mut rng, KeyDtype::Bf16, &vals, 20_000, dim as usize);
     let got = gpu_topk(&d, &scorer, &hidden, &keys, 2048).unwrap();
     assert_eq!(got, (0..2048).collect::<Vec<i32>>(), "20,000 equal scores: ids 0..k-1");
-    // 3,000 equal scores: more ties than fm_order loads before it knows
-    // their count, fewer than it ranks in shared memory.
+    // 3,000 equal scores: one tie group below FM_ORDER_MAX (4,096), ranked
+    // in shared memory by fm_order's blocks, not narrowed.
     let vals: Vec<f32> = (0..3000).flat_map(|_| row.clone()).collect();
     let keys = HostKeys::from_values(&mut rng, KeyDtype::Bf16, &vals, 3000, dim as usize);
     let got = gpu_topk(&d, &scorer, &hidden, &keys, 512).unwrap();
