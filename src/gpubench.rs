@@ -9,7 +9,7 @@
 //! (a swap-in rewrites it in place); the same graph without the swap-ins is
 //! timed too and subtracted, and both figures are reported.
 
-use crate::backend::cuda::driver::{self, kernel_params, Device, DeviceBuffer, Event, Graph, Module, OwnedStream, PinnedBuffer};
+use crate::backend::cuda::driver::{self, kernel_params, Device, DeviceBuffer, Event, Graph, Kernel, Module, OwnedStream, PinnedBuffer};
 use crate::{BackendChoice, Config, Context, KvswapLayerSpec, Result};
 use cudarc::driver::sys;
 use serde::Serialize;
@@ -738,9 +738,7 @@ impl FmBench<'_> {
 /// Bytes per second (GB/s) a streaming read of `bytes` of `buf` reaches
 /// (kvswap_read_probe: four 16-byte loads in flight per thread, a full
 /// device of threads, nothing written).
-fn read_rate(dev: &Device, buf: &DeviceBuffer, bytes: usize, s: sys::CUstream, rounds: usize) -> Result<f64> {
-    let module = probe_module(dev)?;
-    let probe = module.function(c"kvswap_read_probe")?;
+fn read_rate(dev: &Device, probe: &Kernel, buf: &DeviceBuffer, bytes: usize, s: sys::CUstream, rounds: usize) -> Result<f64> {
     let blocks = 8 * dev.sm_count as u32;
     let out = DeviceBuffer::alloc(4 * blocks as usize, "read probe out")?;
     let (mut p, mut n, mut never, mut o) = (buf.ptr, (bytes / 16) as u64, 0x9E37_79B9u32, out.ptr);
@@ -751,30 +749,17 @@ fn read_rate(dev: &Device, buf: &DeviceBuffer, bytes: usize, s: sys::CUstream, r
     Ok(bytes as f64 / (ms * 1e-3) / 1e9)
 }
 
-/// kernels/bench.cu, loaded (the device's context current).
-fn probe_module(dev: &Device) -> Result<Module> {
-    Module::load(&crate::backend::cuda::nvrtc::compile_cached("bench.cu", crate::kernels::BENCH_CU, dev.cc)?)
-}
-
-/// The timing method's own floor: median us of a graph of one and of three
-/// empty kernels (kvswap_read_probe over nothing, one block), an event pair
-/// around each of `reps` replays, as every row of the scorer table is timed:
-/// the graph launch and the events, which no kernel work can remove.
-fn launch_floor(dev: &Device, s: sys::CUstream, reps: usize) -> Result<[f64; 2]> {
-    let module = probe_module(dev)?;
-    let probe = module.function(c"kvswap_read_probe")?;
-    let out = DeviceBuffer::alloc(16, "launch floor out")?;
-    let (mut p, mut n, mut never, mut o) = (out.ptr, 0u64, 1u32, out.ptr);
-    let mut params = kernel_params![p, n, never, o];
-    let mut floor = [0.0; 2];
-    for (slot, kernels) in [(0, 1), (1, 3)] {
+/// `kernels` empty kernels (kvswap_read_probe over nothing, one block) on
+/// `s`: the timing method's own floor when timed as a scorer call is.
+fn empty_kernels(probe: &Kernel, kernels: usize, out: u64, s: sys::CUstream) -> Result<()> {
+    (0..kernels).try_for_each(|_| {
+        let (mut p, mut n, mut never, mut o) = (out, 0u64, 1u32, out);
+        let mut params = kernel_params![p, n, never, o];
         // SAFETY: parameters match kvswap_read_probe(const uint4*, u64, u32,
         // u32*); n = 0 items: nothing is read, the fold stays 0, and o (one
         // u32) would be written only if the fold equalled `never` (1).
-        let g = Graph::capture(s, || (0..kernels).try_for_each(|_| unsafe { probe.launch(1, 32, 0, s, &mut params) }))?;
-        floor[slot] = time_ms(s, reps, || g.launch(s))? * 1e3;
-    }
-    Ok(floor)
+        unsafe { probe.launch(1, 32, 0, s, &mut params) }
+    })
 }
 
 /// The FlashMemory scorer benchmark: `score` (q and w given) and `full`
@@ -791,9 +776,11 @@ pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
     let (a, b) = (DeviceBuffer::alloc(copy_bytes, "copy a")?, DeviceBuffer::alloc(copy_bytes, "copy b")?);
     let copy_ms = time_ms(s, rounds, || dtod(b.ptr, a.ptr, copy_bytes, s))?;
     let copy_gbps = 2.0 * copy_bytes as f64 / (copy_ms * 1e-3) / 1e9;
-    let read_gbps = read_rate(&dev, &a, copy_bytes, s, rounds)?;
+    // kernels/bench.cu's read probe: the read rate, and (empty) the floor.
+    let probe_module = Module::load(&crate::backend::cuda::nvrtc::compile_cached("bench.cu", crate::kernels::BENCH_CU, dev.cc)?)?;
+    let probe = probe_module.function(c"kvswap_read_probe")?;
+    let read_gbps = read_rate(&dev, &probe, &a, copy_bytes, s, rounds)?;
     drop((a, b));
-    let [launch_floor_us, launch_floor3_us] = launch_floor(&dev, s, if quick { 20 } else { 100 })?;
 
     let meta = Meta { n_scorers: 3, hidden: 4096, n_heads: 64, head_dim: 128, ensemble: crate::config::Ensemble::Max };
     let tensors = fmwrite::random(&meta, WeightDtype::Bf16, 7)?;
@@ -802,6 +789,11 @@ pub fn run_fm(device: i32, quick: bool) -> Result<FmReport> {
     let scorer = CudaScorer::new(&ckpt, device, false)?;
     let weight_bytes = scorer.weights().0;
     let bench = FmBench { dev: &dev, s, scorer, meta, rounds };
+    // The timing method's own floor, timed as every row is (one graph per
+    // call, event pairs around its replays): the graph launch and the events.
+    let probe_out = DeviceBuffer::alloc(16, "launch floor out")?;
+    let launch_floor_us = bench.single_graph_us(|| empty_kernels(&probe, 1, probe_out.ptr, s))?;
+    let launch_floor3_us = bench.single_graph_us(|| empty_kernels(&probe, 3, probe_out.ptr, s))?;
     let (sc, h, d, hid) = (3usize, 64usize, 128usize, 4096usize);
     let k = 512usize;
     let e = crate::config::Ensemble::Max;
