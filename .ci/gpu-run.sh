@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the GPU benchmark from .gpu/ (see .ci/gpu-build.sh)
 # on a machine with an NVIDIA GPU. Logs and JSON go to $OUT (or ./gpu-out).
-#   what=tests|multi|sanitize|bench|fm|all (default all), scorer|ffi|variants|defines|baseline
+#   what=tests|multi|sanitize|bench|fm|all (default all), scorer|ffi|loads|variants|defines|baseline
 #   (kernel development), or a profiling mode:
 #   profile|sass|ncu-detail|pipes (see README.md)
 set -uo pipefail
@@ -44,10 +44,30 @@ for key, v in sorted(rows.items()):
     print(f"{key[0]:6s} {key[1]:{kw}s} {key[2]:7d}  " + "  ".join(f"{' / '.join(f'{x:.1f}' for x in v.get(n, [])):>22s}" for n in names))
 PY
 }
-if [[ $what == scorer ]]; then
-  step scorer-gpu     $T/scorer_gpu --ignored --test-threads=1
+# The scorer's GPU tests on every kernel and load path: the defaults (fp8
+# keys of one sequence by TMA: the log says whether that kernel ran), the
+# cp.async ring, the mma.sync kernel, fp8 keys by conversion.
+scorer_suite() {
+  step scorer-gpu env KVSWAP_LOG=info $T/scorer_gpu --ignored --test-threads=1 --nocapture
+  echo "    fm_score_wg_fp8q_tma launched: $(grep -c 'fm_score_wg_fp8q_tma launched' "$OUT/scorer-gpu.log") time(s) (1 expected)"
+  step scorer-gpu-cp-async env KVSWAP_FM_LOAD=cp.async $T/scorer_gpu --ignored --test-threads=1 \
+    cuda_scorer_matches cuda_scorer_long_call cuda_scorer_scale_beyond_float_range cuda_scorer_adversarial
   step scorer-gpu-mma env KVSWAP_FM_KERNEL=mma $T/scorer_gpu --ignored --test-threads=1
   step scorer-gpu-fp8-convert env KVSWAP_FM_KERNEL=wgmma-convert $T/scorer_gpu --ignored --test-threads=1 cuda_scorer_matches cuda_scorer_long_call cuda_scorer_scale_beyond_float_range
+}
+if [[ $what == scorer ]]; then
+  scorer_suite
+fi
+if [[ $what == loads ]]; then
+  # fm_score_wg_fp8q's load paths side by side: the quick bench, ROUNDS
+  # (default 3) rounds of the cp.async ring and TMA (the default), a table.
+  rm -f "$OUT"/loads-*-[0-9].json
+  for round in $(seq 1 "${ROUNDS:-3}"); do
+    step loads-cp-async-$round env KVSWAP_FM_LOAD=cp.async .gpu/kvswap bench --backend cuda --scorer --quick --json "$OUT/loads-cp.async-$round.json"
+    step loads-tma-$round env KVSWAP_LOG=info .gpu/kvswap bench --backend cuda --scorer --quick --json "$OUT/loads-tma-$round.json"
+  done
+  echo "    fm_score_wg_fp8q_tma launched in $(cat "$OUT"/loads-tma-*.log | grep -c 'fm_score_wg_fp8q_tma launched') of ${ROUNDS:-3} TMA runs"
+  fm_table loads
 fi
 if [[ $what == variants ]]; then
   # Kernel variants (.gpu/variants/*.cu, see gpu-build.sh FM_VARIANTS) beside
@@ -189,9 +209,7 @@ fi
 if [[ $what == tests || $what == all ]]; then
   step gpu-tests      $T/gpu --ignored --test-threads=1 "${SKIP[@]}"
   step multi-cuda     env KVSWAP_TEST_BACKEND=cuda $T/multi
-  step scorer-gpu     $T/scorer_gpu --ignored --test-threads=1
-  step scorer-gpu-mma env KVSWAP_FM_KERNEL=mma $T/scorer_gpu --ignored --test-threads=1
-  step scorer-gpu-fp8-convert env KVSWAP_FM_KERNEL=wgmma-convert $T/scorer_gpu --ignored --test-threads=1 cuda_scorer_matches cuda_scorer_long_call cuda_scorer_scale_beyond_float_range
+  scorer_suite
   step model-cuda     env KVSWAP_TEST_BACKEND=cuda $T/model
   step threads-cuda   env KVSWAP_TEST_BACKEND=cuda $T/threads
   if [[ ! -x .gpu/ffi/test_abi || ! -x .gpu/ffi/test_abi_cpp ]]; then

@@ -106,6 +106,9 @@ struct Dev {
 
 impl Dev {
     fn new() -> Dev {
+        // The library's log lines (KVSWAP_LOG) go to stderr: which kernels
+        // and load paths a run used.
+        kvswap::logging::init();
         let dev = Device::open(0).unwrap();
         let g = dev.bind().unwrap();
         let stream = OwnedStream::new().unwrap();

@@ -266,22 +266,24 @@ __device__ void wg_stage_f32(const u8* keys, u32 stride, u32 n, u32 t0, u32 c0, 
 struct WgTiles {
     u32 step, first, mine, next, next_turns, first_turns;
 };
-__device__ __forceinline__ WgTiles wg_tiles(u32 n, u32 g) {
+template <u32 G>  // warpgroups per block
+__device__ __forceinline__ WgTiles wg_tiles_of(u32 n, u32 g) {
     const u32 tiles = (n + WG_ROWS - 1) / WG_ROWS;
-    const u32 step = WG_GROUPS * gridDim.x;
+    const u32 step = G * gridDim.x;
     auto count = [&](u32 h) -> u32 {
-        const u32 f = WG_GROUPS * blockIdx.x + h;
+        const u32 f = G * blockIdx.x + h;
         return f < tiles ? (tiles - f + step - 1) / step : 0u;
     };
     WgTiles t;
     t.step = step;
-    t.first = WG_GROUPS * blockIdx.x + g;
+    t.first = G * blockIdx.x + g;
     t.mine = count(g);
-    t.next = g + 1 < WG_GROUPS ? g + 1 : 0u;
+    t.next = g + 1 < G ? g + 1 : 0u;
     t.first_turns = count(0);
-    t.next_turns = g + 1 < WG_GROUPS ? count(t.next) : (t.first_turns > 0 ? t.first_turns - 1 : 0u);
+    t.next_turns = g + 1 < G ? count(t.next) : (t.first_turns > 0 ? t.first_turns - 1 : 0u);
     return t;
 }
+__device__ __forceinline__ WgTiles wg_tiles(u32 n, u32 g) { return wg_tiles_of<WG_GROUPS>(n, g); }
 
 // A row's sum over the quad holding it (lanes 4r .. 4r + 3).
 __device__ __forceinline__ float quad_sum(float si) {

@@ -442,7 +442,63 @@ __device__ __forceinline__ u32 f32x2_to_e4m3x2(float lo, float hi) {
     return r;
 }
 
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(ScoreBatch B, u32* err) {
+// The TMA load path (fm_score_wg_fp8q_tma: the host's default for one
+// sequence per launch whose scales are 16-byte aligned, KVSWAP_FM_LOAD=
+// cp.async turns it off; 0.5 us faster per call, NOTES s37): one thread per
+// warpgroup and tile issues a 2D
+// tensor copy of the 64 key rows (the tensor map's 128-byte swizzle gives
+// raw_at's layout) and a 1D copy of their scales onto the slot's mbarrier;
+// the warpgroup waits on the mbarrier instead of its cp.async groups, a
+// proxy fence and a warpgroup barrier. Rows past n arrive zero-filled.
+// Tensor maps: keys (u8, rank 2: 128 bytes x n rows, `stride` apart, box
+// 128 x 64, SWIZZLE_128B) then scales (f32, rank 1: n, box 64), per
+// sequence; one sequence per launch.
+struct __align__(64) TmaMap {
+    u64 opaque[16];
+};
+#define FM_TMA_SEQS 1
+struct TmaMaps {
+    TmaMap map[2 * FM_TMA_SEQS];
+};
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT;\n}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+// Tile rows [c0, c0 + WG_ROWS) into `dst` and their scales into `sc`, both
+// counted on `bar` (one elected thread; `valid` false issues nothing).
+__device__ __forceinline__ void wg8_tma_issue(const TmaMap* maps, u32 c0, bool valid, u8* dst, float* sc, u64* bar) {
+    if (!valid) return;
+    const u32 b = smem_addr(bar);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "n"(WG_RAW_BYTES + WG_ROWS * 4) : "memory");
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(
+            smem_addr(dst)),
+        "l"(maps), "r"(0), "r"(c0), "r"(b), "l"(policy)
+        : "memory");
+    asm volatile("cp.async.bulk.tensor.1d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2}], [%3];" ::"r"(smem_addr(sc)),
+                 "l"(maps + 1), "r"(c0), "r"(b)
+                 : "memory");
+}
+
+// G warpgroups per block (WG_GROUPS for the cp.async entry; the TMA entry's
+// FM_TMA_GROUPS, which its register count, 126 at 3 scorers, lets reach 4;
+// four measured no faster than three, NOTES s37).
+template <bool TMA, u32 G>
+__device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, const TmaMap* maps) {
+    constexpr u32 GT = 128 * G, ORDER_BAR = 1 + G;  // threads; named barriers 1 .. G per warpgroup, then the turns
+    static_assert(ORDER_BAR + G <= 16, "16 hardware barriers");
+#ifdef FM_TRACE
+    static_assert(G == WG_GROUPS, "FM_TRACE sizes its shared sums for WG_GROUPS warpgroups");
+#endif
     CT_EXIT(3);
     CT_EXIT(8);
     extern __shared__ u8 wg_smem_raw[];
@@ -472,11 +528,20 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
     float* sc_ring = (float*)(ring + WG_STAGES * WG_RAW_BYTES);
 
     TR_START
-    const WgTiles T = wg_tiles(n, g);
+    const WgTiles T = wg_tiles_of<G>(n, g);
     const u32 step = T.step, first = T.first, my_tiles = T.mine, next = T.next, next_turns = T.next_turns;
+    __shared__ __align__(8) u64 sh_full[TMA ? G : 1][WG_STAGES];  // TMA: each slot's mbarrier
     // Tile 0 before waiting for the projection (keys are inputs of the
     // call, q and w its outputs), tile 1 once Q is quantized.
-    wg8_issue(keys, S.scales, stride, n, t0, first * WG_ROWS, my_tiles > 0, ring, sc_ring);
+    if constexpr (TMA) {
+        if (t0 == 0) {
+            for (u32 i = 0; i < WG_STAGES; ++i) mbar_init(&sh_full[g][i], 1);
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // the inits, before the copies complete on them
+            wg8_tma_issue(maps, first * WG_ROWS, my_tiles > 0, ring, sc_ring, &sh_full[g][0]);
+        }
+    } else {
+        wg8_issue(keys, S.scales, stride, n, t0, first * WG_ROWS, my_tiles > 0, ring, sc_ring);
+    }
     wait_prerequisites();
     CT_MIN(0);  // past the wait: a call's stamps come after the last call's fm_order reset them
     CT_MAX(1);
@@ -486,7 +551,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
     // work, not a warp's; every load of this thread in flight before any is
     // used. (A warp per row took ~960 instructions per warp: ~1 us of issue
     // in a ~5 us prologue, NOTES s33.)
-    constexpr u32 WARPS = WG_THREADS / 32, QPASS = 4 * WARPS, NPASS = (FM_QROWS + QPASS - 1) / QPASS;
+    constexpr u32 WARPS = GT / 32, QPASS = 4 * WARPS, NPASS = (FM_QROWS + QPASS - 1) / QPASS;
     static_assert(FM_HEAD_DIM == 128, "8 lanes x 16 dims per row");
     const u32 qlane = lane & 7u;
     uint4 qv[NPASS][2];
@@ -497,11 +562,11 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
         qv[j][0] = src[0];
         qv[j][1] = src[1];
     }
-    for (u32 i = threadIdx.x; i < FM_HIST; i += WG_THREADS) sh_hist[i] = 0;
-    float w_mine[(FM_QROWS + WG_THREADS - 1) / WG_THREADS];
+    for (u32 i = threadIdx.x; i < FM_HIST; i += GT) sh_hist[i] = 0;
+    float w_mine[(FM_QROWS + GT - 1) / GT];
 #pragma unroll
-    for (u32 j = 0; j * WG_THREADS < FM_QROWS; ++j)
-        w_mine[j] = threadIdx.x + j * WG_THREADS < FM_QROWS ? S.w[threadIdx.x + j * WG_THREADS] : 0.f;
+    for (u32 j = 0; j * GT < FM_QROWS; ++j)
+        w_mine[j] = threadIdx.x + j * GT < FM_QROWS ? S.w[threadIdx.x + j * GT] : 0.f;
 #ifdef FM_TRACE
     asm volatile("" ::"r"(qv[0][0].x));  // waits for the first load
 #endif
@@ -558,8 +623,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
     }
     __syncthreads();
 #pragma unroll
-    for (u32 j = 0; j * WG_THREADS < FM_QROWS; ++j) {
-        const u32 i = threadIdx.x + j * WG_THREADS;
+    for (u32 j = 0; j * GT < FM_QROWS; ++j) {
+        const u32 i = threadIdx.x + j * GT;
         if (i < FM_QROWS) {
             const int e = sh_e[i];
             // A head whose q is not finite scores NaN (an error, as the 16-bit
@@ -576,14 +641,19 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
             sh_w[wq_at(i)] = wi;
         }
     }
-    for (u32 i = 1; i < WG_STAGES - 1; ++i)
-        wg8_issue(keys, S.scales, stride, n, t0, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * WG_RAW_BYTES, sc_ring + i * WG_ROWS);
+    for (u32 i = 1; i < WG_STAGES - 1; ++i) {
+        if constexpr (TMA) {
+            if (t0 == 0) wg8_tma_issue(maps, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * WG_RAW_BYTES, sc_ring + i * WG_ROWS, &sh_full[g][i]);
+        } else {
+            wg8_issue(keys, S.scales, stride, n, t0, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * WG_RAW_BYTES, sc_ring + i * WG_ROWS);
+        }
+    }
     fence_async_smem();  // Q (generic stores) -> tensor-core reads
     __syncthreads();
 #ifdef FM_Q8_TC
     // B fragments (m16n8k16, col): lane l holds column l / 4 at K rows
     // 2 (l % 4) + {0, 1} and + 8, + 9 of each k-step; weights from sh_w.
-    for (u32 i = threadIdx.x; i < FM_QROWS / 16 * 32; i += WG_THREADS) {
+    for (u32 i = threadIdx.x; i < FM_QROWS / 16 * 32; i += GT) {
         const u32 k = i / 32, l = i % 32, n = l / 4, c0 = 16 * k + 2 * (l % 4);
         auto w = [&](u32 col) { return tc_weight(n, col, sh_w[wq_at(col)]); };
         sh_wb[k][l] = make_uint2(bf16x2(w(c0), w(c0 + 1)), bf16x2(w(c0 + 8), w(c0 + 9)));
@@ -610,16 +680,29 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
     float d[FM_QROWS / 2];
 #pragma unroll
     for (u32 k = 0; k < FM_QROWS / 2; ++k) d[k] = 0.f;
-    if (g == WG_GROUPS - 1 && T.first_turns > 0) turn_pass(WG_ORDER_BAR);  // warpgroup 0 goes first
+    if (g == G - 1 && T.first_turns > 0) turn_pass(ORDER_BAR);  // warpgroup 0 goes first
     TR(2);
     CT_MAX(2);
     for (u32 i = 0; i < my_tiles; ++i) {
         const u32 c0 = (first + i * step) * WG_ROWS;
         u8* slot = ring + (i % WG_STAGES) * WG_RAW_BYTES;
         const float* sc = sc_ring + (i % WG_STAGES) * WG_ROWS;
-        cp_async_wait_stages();  // tile i has landed (this thread's part)
-        fence_async_smem();      // this thread's cp.async writes -> tensor-core reads
-        wg_barrier(g);           // ... every thread's part; tile i - 1 is consumed
+        if constexpr (TMA) {
+            // Tile i's keys and scales have landed (both proxies: the
+            // mbarrier's completion orders the copy before the reads). No
+            // barrier for tile i - 1's slot: its refill below comes after
+            // this tile's turn_wait, a bar.sync of 256 threads every tile
+            // that all four warps of the group reach only after their
+            // wgmma wait for tile i - 1 and their reads of its scales (if
+            // turns ever become conditional, wg_barrier(g) goes back before
+            // the refill). So no warp reads the slot, or waits on its
+            // previous phase, when the refill lands.
+            mbar_wait(&sh_full[g][i % WG_STAGES], (i / WG_STAGES) & 1u);
+        } else {
+            cp_async_wait_stages();  // tile i has landed (this thread's part)
+            fence_async_smem();      // this thread's cp.async writes -> tensor-core reads
+            wg_barrier(g);           // ... every thread's part; tile i - 1 is consumed
+        }
         TR(3);
         // The chunk scales now, read while the turn and the MMAs go on.
         const u32 chunks[2] = {c0 + ra, c0 + rb}, rows[2] = {ra, rb};
@@ -627,19 +710,25 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
 #pragma unroll
         for (u32 h = 0; h < 2; ++h) scales[h] = chunks[h] < n ? sc[rows[h]] : 1.f;
         TR(4);
-        turn_wait(WG_ORDER_BAR + g);
+        turn_wait(ORDER_BAR + g);
         TR(5);
         const u64 da0 = gmma_desc(smem_addr(slot));
         wgmma_fence();
 #pragma unroll
         for (u32 ks = 0; ks < FM_HEAD_DIM / 32; ++ks) wgmma8_row(d, da0 + ks * 2u, db0 + ks * 2u, ks > 0 ? 1u : 0u);  // +32 bytes
         wgmma_commit();
-        if (i < next_turns) turn_pass(WG_ORDER_BAR + next);
+        if (i < next_turns) turn_pass(ORDER_BAR + next);
         // The refill of the slot tile i - 1 used (every warp is past this
         // tile's barrier, so done with it) while this tile's MMAs run.
         const u32 ahead = i + WG_STAGES - 1;
-        wg8_issue(keys, S.scales, stride, n, t0, (first + ahead * step) * WG_ROWS, ahead < my_tiles, ring + (ahead % WG_STAGES) * WG_RAW_BYTES,
-                  sc_ring + (ahead % WG_STAGES) * WG_ROWS);
+        if constexpr (TMA) {
+            if (t0 == 0)
+                wg8_tma_issue(maps, (first + ahead * step) * WG_ROWS, ahead < my_tiles, ring + (ahead % WG_STAGES) * WG_RAW_BYTES,
+                              sc_ring + (ahead % WG_STAGES) * WG_ROWS, &sh_full[g][ahead % WG_STAGES]);
+        } else {
+            wg8_issue(keys, S.scales, stride, n, t0, (first + ahead * step) * WG_ROWS, ahead < my_tiles, ring + (ahead % WG_STAGES) * WG_RAW_BYTES,
+                      sc_ring + (ahead % WG_STAGES) * WG_ROWS);
+        }
         TR(6);
         wgmma_wait0();
         TR(7);
@@ -729,6 +818,18 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(Sco
     TR(11);
     trace_flush(sh_tr, my_tiles, 2);
 #endif
+}
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(ScoreBatch B, u32* err) { score_wg_fp8q<false, WG_GROUPS>(B, err, nullptr); }
+// The host launches it with its launch bound's threads (the kernel's
+// attribute) and shared memory for FM_TMA_GROUPS rings.
+#ifndef FM_TMA_GROUPS
+#define FM_TMA_GROUPS WG_GROUPS
+#endif
+// Four warpgroups cap a thread at 128 registers: enough for up to 192 query
+// rows (96 accumulators), not for 256 (128 accumulators), which keep three.
+#define FM_TMA_G (FM_TMA_GROUPS > 3 && FM_QROWS > 192 ? 3 : FM_TMA_GROUPS)
+extern "C" __global__ void __launch_bounds__(128 * FM_TMA_G, 1) fm_score_wg_fp8q_tma(ScoreBatch B, u32* err, const __grid_constant__ TmaMaps M) {
+    score_wg_fp8q<true, FM_TMA_G>(B, err, M.map);
 }
 #endif  // FM_HEAD_DIM == 128
 #endif  // FM_WGMMA, FM_HEAD_DIM 64 or 128

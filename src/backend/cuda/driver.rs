@@ -486,6 +486,88 @@ impl Drop for Module {
     }
 }
 
+/// A TMA tensor map (`cuTensorMapEncodeTiled`, host-side encoding only: no
+/// device work), passed to a kernel by value as a `__grid_constant__`
+/// parameter (128 bytes; cudarc's type is 128-byte aligned, the kernel's
+/// TmaMap 64: the driver places parameters at the kernel's own offsets).
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+pub struct TensorMap(sys::CUtensorMap);
+
+impl TensorMap {
+    /// `rows` rows of `row_bytes` bytes (at most 128: one swizzle span),
+    /// `stride` bytes apart from `base` (16-byte aligned, as `stride`),
+    /// copied `box_rows` rows at a time into the 128-byte-swizzled layout
+    /// wgmma reads K-major; rows past the end arrive zero-filled.
+    pub fn rows_u8_swizzle128(base: u64, row_bytes: u32, rows: u64, stride: u64, box_rows: u32) -> Result<TensorMap> {
+        use sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8;
+        use sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+        use sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
+        Self::encode(
+            "rows",
+            CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            base,
+            &[row_bytes as u64, rows],
+            &[stride],
+            &[row_bytes, box_rows],
+            CU_TENSOR_MAP_SWIZZLE_128B,
+            CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        )
+    }
+
+    /// `len` f32 values from `base` (16-byte aligned), copied `box_len` at a
+    /// time (`box_len * 4` a multiple of 16); values past the end arrive as 0.
+    pub fn f32_vector(base: u64, len: u64, box_len: u32) -> Result<TensorMap> {
+        use sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+        use sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_NONE;
+        use sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE;
+        Self::encode("vector", CU_TENSOR_MAP_DATA_TYPE_FLOAT32, base, &[len], &[], &[box_len], CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_NONE)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn encode(
+        what: &str,
+        dtype: sys::CUtensorMapDataType,
+        base: u64,
+        dims: &[u64],
+        strides: &[u64],
+        boxes: &[u32],
+        swizzle: sys::CUtensorMapSwizzle,
+        l2: sys::CUtensorMapL2promotion,
+    ) -> Result<TensorMap> {
+        debug_assert!(dims.len() == boxes.len() && strides.len() + 1 == dims.len());
+        let unit = [1u32; 5];
+        // SAFETY: CUtensorMap is plain bytes, written by the call below
+        // before any use.
+        let mut m: sys::CUtensorMap = unsafe { std::mem::zeroed() };
+        // A stride array of at least one entry even at rank 1 (not read there).
+        let strides_or_dummy = if strides.is_empty() { &[0u64][..] } else { strides };
+        // SAFETY: out-pointer to a local; dims and boxes hold `rank` entries,
+        // strides rank - 1 (a dummy at rank 1), unit 5 >= rank; base is the
+        // caller's device buffer (the driver checks its alignment).
+        check(
+            unsafe {
+                sys::cuTensorMapEncodeTiled(
+                    &mut m,
+                    dtype,
+                    dims.len() as u32,
+                    base as *mut c_void,
+                    dims.as_ptr(),
+                    strides_or_dummy.as_ptr(),
+                    boxes.as_ptr(),
+                    unit.as_ptr(),
+                    sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                    swizzle,
+                    l2,
+                    sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+                )
+            },
+            &format!("cuTensorMapEncodeTiled({what})"),
+        )?;
+        Ok(TensorMap(m))
+    }
+}
+
 /// A kernel of a loaded module (valid while the module lives).
 #[derive(Clone, Copy)]
 pub struct Kernel(pub CUfunction);
@@ -495,6 +577,18 @@ unsafe impl Send for Kernel {}
 unsafe impl Sync for Kernel {}
 
 impl Kernel {
+    /// The most threads a block of this kernel can have (its launch bound,
+    /// or fewer where its registers do not fit).
+    pub fn max_threads_per_block(&self) -> Result<u32> {
+        let mut v = 0i32;
+        // SAFETY: live function handle; v is a local out-parameter.
+        check(
+            unsafe { sys::cuFuncGetAttribute(&mut v, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, self.0) },
+            "cuFuncGetAttribute(MAX_THREADS_PER_BLOCK)",
+        )?;
+        Ok(v as u32)
+    }
+
     /// Raises the kernel's dynamic shared memory limit to `bytes`.
     pub fn set_max_dynamic_smem(&self, bytes: i32) -> Result<()> {
         // SAFETY: live function handle.

@@ -12,7 +12,7 @@
 //! turn the output into -1 padding and are recorded; with `sync` the call
 //! waits and returns them, otherwise `sync_errors` (fm_scorer_sync) does.
 
-use super::driver::{self, kernel_params, CUstream, Device, DeviceBuffer, Kernel, Module, PinnedBuffer};
+use super::driver::{self, kernel_params, CUstream, Device, DeviceBuffer, Kernel, Module, PinnedBuffer, TensorMap};
 use crate::backend::{BackendKind, StreamHandle};
 use crate::config::Ensemble;
 use crate::error::{Error, KvswapStatus, Result};
@@ -92,6 +92,29 @@ struct ScoreSeq {
     hist: u64,
     stride: u32,
     n: u32,
+}
+
+/// Whether fm_score_wg_fp8q_tma has been launched (its first launch is logged).
+static TMA_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// fm_score_wg_fp8q_tma's tensor maps (kernels/scorer/score_wgmma_fp8.cu
+/// TmaMaps): the keys (128-byte rows of `head_dim` fp8 codes, `stride`
+/// apart, boxes of 64 rows with the 128-byte swizzle) and their f32 scales
+/// (boxes of 64), for one sequence.
+#[repr(C)]
+struct TmaMaps {
+    map: [TensorMap; 2],
+}
+
+impl TmaMaps {
+    fn new(keys: u64, scales: u64, n: usize, stride: u32, head_dim: usize) -> Result<TmaMaps> {
+        Ok(TmaMaps {
+            map: [
+                TensorMap::rows_u8_swizzle128(keys, head_dim as u32, n as u64, stride as u64, 64)?,
+                TensorMap::f32_vector(scales, n as u64, 64)?,
+            ],
+        })
+    }
 }
 
 #[repr(C)]
@@ -419,6 +442,10 @@ pub struct CudaScorer {
     /// fm_score_wg_fp8q (fp8 keys x the fp8 query, both operands e4m3) and
     /// its dynamic shared memory, with wgmma and head_dim 128.
     score_fp8q: Option<(Kernel, u32)>,
+    /// fm_score_wg_fp8q_tma (unless KVSWAP_FM_LOAD=cp.async), for one
+    /// sequence per launch whose scales are 16-byte aligned: the kernel, its
+    /// dynamic shared memory and threads per block.
+    score_fp8q_tma: Option<(Kernel, u32, u32)>,
     /// fm_fp8_query: the fp8 query in place in the bf16 q, for fp8 keys on
     /// the other kernels (None only for a KVSWAP_FM_SOURCE without it).
     fp8_query: Option<Kernel>,
@@ -575,12 +602,14 @@ impl CudaScorer {
         // a KiB of their scales, + 1024 alignment slack; its histogram, head
         // weights, exponents, 2^E and (up to 4 scorers) the head-sum MMA's
         // B fragments are static.
-        let fp8q_smem = (s * h * d + WG_GROUPS * (WG_STAGES * 64 * d + 1024) + 1024) as u32;
+        let fp8q_smem_of = |groups: usize| (s * h * d + groups * (WG_STAGES * 64 * d + 1024) + 1024) as u32;
+        let fp8q_static = HIST * 4 + s * h * 8 + s * 8 + s * h * 16;
+        let fp8q_smem = fp8q_smem_of(WG_GROUPS);
         let score_fp8q = if wgmma
             && d == 128
             && forced != "wgmma-convert"
             && forced != "wgmma-f16"
-            && (fp8q_smem as usize + HIST * 4 + s * h * 8 + s * 8 + s * h * 16) as i32 <= dev.smem_optin
+            && (fp8q_smem as usize + fp8q_static) as i32 <= dev.smem_optin
         {
             match optional("fm_score_wg_fp8q", wide)? {
                 Some(k) => {
@@ -592,16 +621,46 @@ impl CudaScorer {
         } else {
             None
         };
+        // fm_score_wg_fp8q's TMA load path, the default for one sequence per
+        // launch (session 37: 27.6 us against 28.2 for the cp.async ring,
+        // score fp8 at 262,144 chunks, benches/NOTES.md s37);
+        // KVSWAP_FM_LOAD=cp.async keeps every call on the ring.
+        let loads = std::env::var("KVSWAP_FM_LOAD").unwrap_or_default();
+        let ring_only = match loads.as_str() {
+            "" | "tma" => false,
+            "cp.async" => true,
+            other => {
+                log::warn!("kvswap: KVSWAP_FM_LOAD={other:?} is neither tma nor cp.async: tma (the default)");
+                false
+            }
+        };
+        let score_fp8q_tma = match &score_fp8q {
+            Some(_) if !ring_only => match optional("fm_score_wg_fp8q_tma", "fp8 keys use the cp.async ring")? {
+                Some(k) => {
+                    // Its warpgroups: its launch bound / 128 (FM_TMA_GROUPS).
+                    let threads = k.max_threads_per_block()?;
+                    let smem = fp8q_smem_of(threads as usize / 128);
+                    if threads % 128 != 0 || (smem as usize + fp8q_static) as i32 > dev.smem_optin {
+                        return Err(Error::device(format!("fm_score_wg_fp8q_tma: {threads} threads ({smem} bytes of shared memory) do not fit this device")));
+                    }
+                    k.set_max_dynamic_smem(smem as i32)?;
+                    Some((k, smem, threads))
+                }
+                None => None,
+            },
+            _ => None,
+        };
         let select = Selection::new(&module)?;
         let pdl = dev.cc.0 >= 9;
         drop(_g);
         log::info!(
-            "kvswap: fm scorer on cuda device={} scorers={s} heads={h} head_dim={d} hidden={hidden} weights={} ({:.1} MB) kernel={} sync={}",
+            "kvswap: fm scorer on cuda device={} scorers={s} heads={h} head_dim={d} hidden={hidden} weights={} ({:.1} MB) kernel={} sync={} fp8_loads={}",
             dev.ordinal,
             tag,
             image.len() as f64 / 1e6,
             if wgmma { "wgmma" } else { "mma.sync" },
-            sync as u8
+            sync as u8,
+            if score_fp8q_tma.is_some() { "tma (single sequences, 16-byte aligned scales)" } else { "cp.async" }
         );
         Ok(CudaScorer {
             n_scorers: s,
@@ -615,6 +674,7 @@ impl CudaScorer {
             score_bf16,
             score_fp8,
             score_fp8q,
+            score_fp8q_tma,
             fp8_query,
             select,
             score_smem,
@@ -808,6 +868,26 @@ impl CudaScorer {
                 let tiles = group_chunks.div_ceil(self.score_tile as usize) as u32;
                 let resident = if self.wgmma { sm } else { 2 * sm };  // blocks per SM: 1 (wgmma) or 2
                 let per_seq = tiles.min((resident / b as u32).max(1));
+                // The TMA path: one sequence, keys, stride and scales 16-byte
+                // aligned (the tensor maps' rule; keys and stride are checked
+                // above).
+                if let (Some((tma, smem, threads)), true, [only]) = (&self.score_fp8q_tma, fp8q && dtype == KeyDtype::Fp8E4m3, group.as_slice()) {
+                    let q = &seqs[*only];
+                    if q.keys.scales % 16 == 0 {
+                        let mut maps = TmaMaps::new(q.keys.data, q.keys.scales, q.n_chunks, strides[*only], self.head_dim)?;
+                        let mut params = kernel_params![sb, err, maps];
+                        // SAFETY: parameters match fm_score_wg_fp8q_tma(ScoreBatch,
+                        // u32*, const __grid_constant__ TmaMaps); the maps
+                        // describe the checked key and scale buffers.
+                        unsafe { self.launch.dependent(tma, (per_seq, 1), *threads, *smem, s, &mut params)? };
+                        if !TMA_SEEN.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                            log::info!("kvswap: fm_score_wg_fp8q_tma launched (the TMA load path is in use)");
+                        }
+                        let sel_blocks = (group_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
+                        self.select.launch(&self.launch, sel, sel_blocks, err, s)?;
+                        continue;
+                    }
+                }
                 let mut params = kernel_params![sb, err];
                 // SAFETY: parameters match fm_score(ScoreBatch, u32*); keys checked above.
                 let (kernel, smem) = match (dtype, &self.score_bf16, &self.score_fp8, &self.score_fp8q) {
