@@ -61,12 +61,13 @@ fi
 if [[ $what == loads ]]; then
   # fm_score_wg_fp8q's load paths side by side: the quick bench, ROUNDS
   # (default 3) rounds of the cp.async ring and TMA (the default), a table.
-  rm -f "$OUT"/loads-*-[0-9].json
+  rm -f "$OUT"/loads-*.json "$OUT"/loads-*.log  # this run's results only
   for round in $(seq 1 "${ROUNDS:-3}"); do
-    step loads-cp-async-$round env KVSWAP_FM_LOAD=cp.async .gpu/kvswap bench --backend cuda --scorer --quick --json "$OUT/loads-cp.async-$round.json"
+    step loads-cp-async-$round env KVSWAP_FM_LOAD=cp.async KVSWAP_LOG=info .gpu/kvswap bench --backend cuda --scorer --quick --json "$OUT/loads-cp.async-$round.json"
     step loads-tma-$round env KVSWAP_LOG=info .gpu/kvswap bench --backend cuda --scorer --quick --json "$OUT/loads-tma-$round.json"
   done
-  echo "    fm_score_wg_fp8q_tma launched in $(cat "$OUT"/loads-tma-*.log | grep -c 'fm_score_wg_fp8q_tma launched') of ${ROUNDS:-3} TMA runs"
+  echo "    fm_score_wg_fp8q_tma launched in $(cat "$OUT"/loads-tma-*.log | grep -c 'fm_score_wg_fp8q_tma launched') of ${ROUNDS:-3} TMA runs;" \
+    "the ring in $(cat "$OUT"/loads-cp-async-*.log | grep -c 'fp8_loads=cp.async') of ${ROUNDS:-3} cp.async runs (one scorer each)"
   fm_table loads
 fi
 if [[ $what == variants ]]; then

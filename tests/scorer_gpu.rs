@@ -864,6 +864,68 @@ fn cuda_scorer_refuses_keys_not_16_byte_aligned() {
 
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_scorer_fp8_layouts_and_replays() {
+    // fp8 keys with 128-dim heads on Hopper take fm_score_wg_fp8q, by TMA
+    // (tensor maps of the keys' rows and of their scales) when the scales
+    // are 16-byte aligned, by the cp.async ring otherwise: strided and
+    // offset rows (the bytes between rows NaN in fp8), row counts around a
+    // 64-row tile (1, 63, 65) and scales either way all score as the
+    // reference does.
+    let (mut rng, d, ckpt) = bench_setup("scorer gpu fp8 layouts");
+    let scorer = Scorer::new(ckpt.clone(), 0).unwrap();
+    let m = scorer.meta();
+    let k = 64u32;
+    for n in [1usize, 63, 65, 1_000] {
+        let hidden = random_hidden(&mut rng, m.n_scorers, m.hidden);
+        let keys = HostKeys::random(&mut rng, KeyDtype::Fp8E4m3, n, 128, 1.0);
+        let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
+        for lay in [
+            Layout::default(),
+            Layout { row_stride: 256, data_offset: 16, ..Layout::default() },
+            Layout { row_stride: 144, scales_offset: 16, ..Layout::default() },
+            Layout { row_stride: 176, data_offset: 48, scales_offset: 4, ..Layout::default() },
+        ] {
+            let got = gpu_topk_in(&d, &scorer, &hidden, &keys, k, lay).unwrap();
+            check_topk(&got, &scores, &tol, k as usize, &format!("n = {n}, {lay:?}"));
+        }
+    }
+    // A captured fp8 call replays on the keys its buffers hold at each
+    // replay (the tensor maps hold addresses, not contents).
+    let cs = CudaScorer::new(&ckpt, 0, false).unwrap();
+    let hidden = random_hidden(&mut rng, m.n_scorers, m.hidden);
+    let first = HostKeys::random(&mut rng, KeyDtype::Fp8E4m3, 5_000, 128, 1.0);
+    let (seq, bufs) = upload_seq(&d, &hidden, &first, k);
+    let st = d.stream.0;
+    // Once eagerly (the stream's workspace grows outside a capture), then
+    // captured.
+    unsafe { cs.score_topk(&seq, k as usize, Ensemble::Max.into(), st as u64).unwrap() };
+    d.stream.sync().unwrap();
+    cs.sync_errors(st as u64).unwrap();
+    let graph = {
+        let _g = d.dev.bind().unwrap();
+        Graph::capture(st, || unsafe { cs.score_topk(&seq, k as usize, Ensemble::Max.into(), st as u64) }).unwrap()
+    };
+    let mut keys = first;
+    for round in 0..3 {
+        if round > 0 {
+            keys = HostKeys::random(&mut rng, KeyDtype::Fp8E4m3, 5_000, 128, 1.0);
+        }
+        d.upload_into(&bufs._keys, &keys.bytes);
+        d.upload_into(&bufs._scales, &f32_bytes(&keys.scales));
+        d.upload_into(&bufs.out, &vec![0x5au8; 4 * k as usize]);
+        {
+            let _g = d.dev.bind().unwrap();
+            graph.launch(st).unwrap();
+        }
+        d.stream.sync().unwrap();
+        cs.sync_errors(st as u64).unwrap();
+        let (scores, tol) = reference_with_tolerance(&ckpt, Ensemble::Max, &hidden, &keys);
+        check_topk(&d.download_i32(&bufs.out, k as usize), &scores, &tol, k as usize, &format!("replay {round}"));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn cuda_batch_equals_single_calls() {
     let (mut rng, d, ckpt) = bench_setup("scorer gpu batch");
     batch_equals_single_calls(&mut rng, &d, &ckpt, &[1, 8, 64, 70]);

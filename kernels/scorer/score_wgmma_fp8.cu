@@ -821,13 +821,14 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
 }
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8q(ScoreBatch B, u32* err) { score_wg_fp8q<false, WG_GROUPS>(B, err, nullptr); }
 // The host launches it with its launch bound's threads (the kernel's
-// attribute) and shared memory for FM_TMA_GROUPS rings.
+// attribute) and shared memory for FM_TMA_G rings.
 #ifndef FM_TMA_GROUPS
 #define FM_TMA_GROUPS WG_GROUPS
 #endif
 // Four warpgroups cap a thread at 128 registers: enough for up to 192 query
 // rows (96 accumulators), not for 256 (128 accumulators), which keep three.
 #define FM_TMA_G (FM_TMA_GROUPS > 3 && FM_QROWS > 192 ? 3 : FM_TMA_GROUPS)
+static_assert(FM_TMA_G >= 1 && FM_TMA_G <= 4, "FM_TMA_GROUPS: 1 to 4 warpgroups");
 extern "C" __global__ void __launch_bounds__(128 * FM_TMA_G, 1) fm_score_wg_fp8q_tma(ScoreBatch B, u32* err, const __grid_constant__ TmaMaps M) {
     score_wg_fp8q<true, FM_TMA_G>(B, err, M.map);
 }

@@ -498,11 +498,14 @@ impl TensorMap {
     /// `rows` rows of `row_bytes` bytes (at most 128: one swizzle span),
     /// `stride` bytes apart from `base` (16-byte aligned, as `stride`),
     /// copied `box_rows` rows at a time into the 128-byte-swizzled layout
-    /// wgmma reads K-major; rows past the end arrive zero-filled.
+    /// wgmma reads K-major; rows past the end arrive zero-filled. Rows
+    /// packed back to back are promoted into L2 256 bytes at a time,
+    /// strided ones 128 (no bytes between rows read).
     pub fn rows_u8_swizzle128(base: u64, row_bytes: u32, rows: u64, stride: u64, box_rows: u32) -> Result<TensorMap> {
         use sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8;
-        use sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+        use sys::CUtensorMapL2promotion::{CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B};
         use sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
+        let l2 = if stride == row_bytes as u64 { CU_TENSOR_MAP_L2_PROMOTION_L2_256B } else { CU_TENSOR_MAP_L2_PROMOTION_L2_128B };
         Self::encode(
             "rows",
             CU_TENSOR_MAP_DATA_TYPE_UINT8,
@@ -511,7 +514,7 @@ impl TensorMap {
             &[stride],
             &[row_bytes, box_rows],
             CU_TENSOR_MAP_SWIZZLE_128B,
-            CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            l2,
         )
     }
 

@@ -637,14 +637,26 @@ impl CudaScorer {
         let score_fp8q_tma = match &score_fp8q {
             Some(_) if !ring_only => match optional("fm_score_wg_fp8q_tma", "fp8 keys use the cp.async ring")? {
                 Some(k) => {
-                    // Its warpgroups: its launch bound / 128 (FM_TMA_GROUPS).
-                    let threads = k.max_threads_per_block()?;
-                    let smem = fp8q_smem_of(threads as usize / 128);
-                    if threads % 128 != 0 || (smem as usize + fp8q_static) as i32 > dev.smem_optin {
-                        return Err(Error::device(format!("fm_score_wg_fp8q_tma: {threads} threads ({smem} bytes of shared memory) do not fit this device")));
+                    // Its warpgroups: its launch bound / 128 (FM_TMA_G). ptxas
+                    // fits the registers to the bound (a build that cannot is
+                    // a compile error), so the attribute is the bound itself.
+                    // Where it does not fit, the ring does the work.
+                    let fits = k.max_threads_per_block().and_then(|threads| {
+                        let smem = fp8q_smem_of(threads as usize / 128);
+                        let barriers = 8 * WG_STAGES * threads as usize / 128; // its slots' mbarriers
+                        if threads == 0 || threads % 128 != 0 || (smem as usize + fp8q_static + barriers) as i32 > dev.smem_optin {
+                            return Err(Error::device(format!("{threads} threads ({smem} bytes of shared memory) do not fit this device")));
+                        }
+                        k.set_max_dynamic_smem(smem as i32)?;
+                        Ok((k, smem, threads))
+                    });
+                    match fits {
+                        Ok(t) => Some(t),
+                        Err(e) => {
+                            log::warn!("kvswap: fm_score_wg_fp8q_tma: {}: fp8 keys use the cp.async ring", e.message);
+                            None
+                        }
                     }
-                    k.set_max_dynamic_smem(smem as i32)?;
-                    Some((k, smem, threads))
                 }
                 None => None,
             },
@@ -873,8 +885,16 @@ impl CudaScorer {
                 // above).
                 if let (Some((tma, smem, threads)), true, [only]) = (&self.score_fp8q_tma, fp8q && dtype == KeyDtype::Fp8E4m3, group.as_slice()) {
                     let q = &seqs[*only];
-                    if q.keys.scales % 16 == 0 {
-                        let mut maps = TmaMaps::new(q.keys.data, q.keys.scales, q.n_chunks, strides[*only], self.head_dim)?;
+                    // The maps are encoded on the host (no device work): one
+                    // the driver refuses sends the call to the ring instead.
+                    let maps = if q.keys.scales % 16 == 0 {
+                        TmaMaps::new(q.keys.data, q.keys.scales, q.n_chunks, strides[*only], self.head_dim)
+                            .inspect_err(|e| log::warn!("kvswap: fm_score_wg_fp8q_tma: {}: this call uses the cp.async ring", e.message))
+                            .ok()
+                    } else {
+                        None
+                    };
+                    if let Some(mut maps) = maps {
                         let mut params = kernel_params![sb, err, maps];
                         // SAFETY: parameters match fm_score_wg_fp8q_tma(ScoreBatch,
                         // u32*, const __grid_constant__ TmaMaps); the maps
