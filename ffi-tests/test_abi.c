@@ -2915,6 +2915,28 @@ static void test_fm_scoring(const char *ckpt) {
     CHECK(unsetenv("KVSWAP_FM_QUERY") == 0);
     group_done("KVSWAP_FM_QUERY: a bad value refused by fm_scorer_load, `Wide` loads a wide-query scorer");
 
+    /* KVSWAP_FM_ENSEMBLE (or the original engine's name), read by
+     * fm_scorer_load: a bad value is refused naming it (out untouched), a
+     * set value overrides the checkpoint's max, a blank one does not. */
+    CHECK(setenv("KVSWAP_FM_ENSEMBLE", "median", 1) == 0);
+    fm_load_refused(ckpt, dm_is_cuda() ? 0 : -1, KVSWAP_STATUS_INVALID_ARGUMENT, "KVSWAP_FM_ENSEMBLE");
+    CHECK(setenv("KVSWAP_FM_ENSEMBLE", " ", 1) == 0);
+    CHECK(setenv("POCKETLLM_GGUF_FLASHMEMORY_ENSEMBLE", "Mean", 1) == 0);
+    {
+        FmScorer *m = fm_load_ok(ckpt);
+        check_info(m, KVSWAP_ENSEMBLE_MEAN);
+        fm_scorer_free(m);
+    }
+    CHECK(unsetenv("POCKETLLM_GGUF_FLASHMEMORY_ENSEMBLE") == 0);
+    {
+        FmScorer *m = fm_load_ok(ckpt);
+        check_info(m, KVSWAP_ENSEMBLE_MAX);
+        fm_scorer_free(m);
+    }
+    CHECK(unsetenv("KVSWAP_FM_ENSEMBLE") == 0);
+    group_done("KVSWAP_FM_ENSEMBLE: a bad value refused by fm_scorer_load, the alias's `Mean` overrides the "
+               "checkpoint's max, a blank value keeps it");
+
     /* Random inputs against the reference, every key type, both ensembles. */
     int32_t out[FM_MAX_TOPK], out2[FM_MAX_TOPK];
     float *hidden = random_hidden(hn);

@@ -118,7 +118,10 @@ typedef struct KvswapConfig {
   // (physical ids fit an int32) and logs it; each swap-in's `window_len` is
   // that call's own and is not compared with it.
   uint32_t window;
-  // `KVSWAP_ENSEMBLE_MAX` or `KVSWAP_ENSEMBLE_MEAN`. `KVSWAP_FM_ENSEMBLE`, default max.
+  // `KVSWAP_ENSEMBLE_MAX` or `KVSWAP_ENSEMBLE_MEAN`. `KVSWAP_FM_ENSEMBLE`,
+  // default max. `fm_scorer_load` applies the variable itself when it is
+  // set (the checkpoint's ensemble otherwise): pass this field to
+  // `fm_scorer_set_ensemble` only to override a loaded scorer.
   KvswapEnsemble fm_ensemble;
   // Log memory per stage. `KVSWAP_MEM_PROFILE`, default 0.
   uint32_t mem_profile;
@@ -233,7 +236,8 @@ typedef struct KvswapContextInfo {
   int32_t device;
   // Layers in the context.
   uint32_t n_layers;
-  // Layers with swap on (`compressed_cap > gpu_chunks`).
+  // Layers with swap on (`compressed_cap > gpu_chunks`; 0 when swapping
+  // is disabled, `KVSWAP_ENABLE=0`).
   uint32_t swap_layers;
   // Bytes of host tier (pinned on CUDA) of all layers.
   uint64_t host_tier_bytes;
@@ -416,7 +420,8 @@ enum KvswapStatus kvswap_store(struct KvswapContext *ctx,
 // (`src_stride` 0 means `chunk_bytes`; with `n > 1` a stride must be at
 // least `chunk_bytes`). `ids` is host memory. When an id repeats, its last
 // row is stored. Every id is checked before anything is stored.
-// Errors (nothing stored): `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`, `ids`
+// Errors (nothing stored, except as said for a device error):
+// `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`, `ids`
 // or `src`); `KVSWAP_STATUS_INVALID_ARGUMENT` (`n` 0, a misaligned pointer,
 // a stride below `chunk_bytes`, on CUDA the NULL stream or host memory
 // where device memory is expected); `KVSWAP_STATUS_OUT_OF_RANGE` (a bad
@@ -424,8 +429,10 @@ enum KvswapStatus kvswap_store(struct KvswapContext *ctx,
 // address space or, on CUDA, of `src`'s allocation);
 // `KVSWAP_STATUS_OUT_OF_MEMORY` (the batch's id table);
 // `KVSWAP_STATUS_WRONG_DEVICE` (CUDA: memory or stream of another device);
-// `KVSWAP_STATUS_DEVICE_ERROR` (CUDA); `KVSWAP_STATUS_PANIC` (a layer left
-// unusable by an earlier panic).
+// `KVSWAP_STATUS_DEVICE_ERROR` (CUDA: a batch of more than 256 distinct
+// ids is stored by several launches, and those before a failed one have
+// stored their rows); `KVSWAP_STATUS_PANIC` (a layer left unusable by an
+// earlier panic).
 enum KvswapStatus kvswap_store_batch(struct KvswapContext *ctx,
                                      uint32_t layer,
                                      const int32_t *ids,
@@ -598,10 +605,13 @@ enum KvswapStatus kvswap_set_log_level(uint32_t level);
 // head_dim 64/128/192/256, n_heads a multiple of 8 (of 64 above 64), hidden
 // a multiple of 8). On CUDA, `KVSWAP_SYNC` (default 1), read from the
 // environment here (the `fm_*` functions take no `KvswapConfig`; pass
-// `cfg.fm_ckpt` and `cfg.fm_ensemble` yourself), decides whether scoring
-// calls wait for their own errors (see `fm_scorer_sync`). On every
-// backend `KVSWAP_FM_QUERY` (`auto`, the default, or `wide`; see
-// `fm_scorer_set_query`), also read here, sets the query of fp8 keys.
+// `cfg.fm_ckpt` yourself), decides whether scoring calls wait for their
+// own errors (see `fm_scorer_sync`). On every backend `KVSWAP_FM_QUERY`
+// (`auto`, the default, or `wide`; see `fm_scorer_set_query`), also read
+// here, sets the query of fp8 keys, and `KVSWAP_FM_ENSEMBLE` (or
+// `POCKETLLM_GGUF_FLASHMEMORY_ENSEMBLE`), when set, the ensemble (`max` or
+// `mean`; unset or blank: the checkpoint's; `fm_scorer_set_ensemble`
+// changes it later).
 // Errors: `KVSWAP_STATUS_IO` for a missing or unreadable file;
 // `KVSWAP_STATUS_BAD_CHECKPOINT` for a wrong format tag, a missing or
 // malformed metadata field, a missing or mis-shaped tensor, an unsupported
@@ -610,8 +620,8 @@ enum KvswapStatus kvswap_set_log_level(uint32_t level);
 // before the data is read), the message naming the field or tensor, what
 // was expected and what was found; `KVSWAP_STATUS_NULL_POINTER` for a NULL
 // `path` or `out`; `KVSWAP_STATUS_INVALID_ARGUMENT` for an empty path,
-// `device < -1`, a misaligned `out`, a bad `KVSWAP_FM_QUERY` or (CUDA) a
-// bad `KVSWAP_SYNC`;
+// `device < -1`, a misaligned `out`, a bad `KVSWAP_FM_QUERY` or
+// `KVSWAP_FM_ENSEMBLE`, or (CUDA) a bad `KVSWAP_SYNC`;
 // `KVSWAP_STATUS_NO_DEVICE` for `device >= 0` without that CUDA device or
 // driver (or in a build without CUDA); `KVSWAP_STATUS_UNSUPPORTED` for a
 // shape the CUDA kernels do not cover, a driver older than CUDA 12.3, or

@@ -60,7 +60,10 @@ pub struct KvswapConfig {
     /// (physical ids fit an int32) and logs it; each swap-in's `window_len` is
     /// that call's own and is not compared with it.
     pub window: u32,
-    /// `KVSWAP_ENSEMBLE_MAX` or `KVSWAP_ENSEMBLE_MEAN`. `KVSWAP_FM_ENSEMBLE`, default max.
+    /// `KVSWAP_ENSEMBLE_MAX` or `KVSWAP_ENSEMBLE_MEAN`. `KVSWAP_FM_ENSEMBLE`,
+    /// default max. `fm_scorer_load` applies the variable itself when it is
+    /// set (the checkpoint's ensemble otherwise): pass this field to
+    /// `fm_scorer_set_ensemble` only to override a loaded scorer.
     pub fm_ensemble: KvswapEnsemble,
     /// Log memory per stage. `KVSWAP_MEM_PROFILE`, default 0.
     pub mem_profile: u32,
@@ -208,12 +211,27 @@ impl Config {
         Ok(Self::from_os_lookup(sync_only)?.sync)
     }
 
+    /// `KVSWAP_FM_ENSEMBLE` (or its alias) from the environment: None when
+    /// neither is set (or both are blank), so that a scorer keeps its
+    /// checkpoint's ensemble; a bad value is an error naming the variable.
+    pub fn fm_ensemble_from_env() -> Result<Option<Ensemble>> {
+        let var = VARS.iter().find(|v| v.name == "KVSWAP_FM_ENSEMBLE").expect("KVSWAP_FM_ENSEMBLE is in the settings table");
+        let only = |k: &str| (k == var.name || Some(k) == var.alias).then(|| std::env::var_os(k)).flatten();
+        let set = std::iter::once(var.name).chain(var.alias).any(|n| only(n).is_some_and(|v| v.to_str().is_none_or(|t| !t.trim().is_empty())));
+        if !set {
+            return Ok(None);
+        }
+        Ok(Some(Self::from_os_lookup(only)?.fm_ensemble))
+    }
+
     /// `from_lookup` over raw environment values: a value that is not UTF-8
     /// is refused, naming its variable (not taken as unset).
     pub fn from_os_lookup(lookup: impl Fn(&str) -> Option<std::ffi::OsString>) -> Result<Config> {
         for var in VARS {
             // The variable `from_lookup` reads: the kvswap name, else its alias.
-            let used = std::iter::once(var.name).chain(var.alias).find_map(|n| lookup(n).map(|v| (n, v)));
+            // A blank value counts as unset there, so it is skipped here too.
+            let unset = |v: &std::ffi::OsString| v.to_str().is_some_and(|t| t.trim().is_empty());
+            let used = std::iter::once(var.name).chain(var.alias).find_map(|n| lookup(n).filter(|v| !unset(v)).map(|v| (n, v)));
             if let Some((name, v)) = used {
                 if v.to_str().is_none() {
                     return Err(bad(name, &v.to_string_lossy(), "UTF-8 text"));
@@ -300,6 +318,14 @@ impl Config {
         }
         if self.index_topk == 0 {
             return Err(Error::invalid("index_topk must be >= 1 (KVSWAP_INDEX_TOPK)"));
+        }
+        if self.index_topk > crate::scorer::FM_MAX_TOPK {
+            // An engine's own selection may take more; the scorers refuse it.
+            log::warn!(
+                "kvswap: index_topk={} (KVSWAP_INDEX_TOPK) is above {}, the most fm_score_topk and fm_bounds_topk select",
+                self.index_topk,
+                crate::scorer::FM_MAX_TOPK
+            );
         }
         if self.window as u64 > ID_COUNT_MAX {
             return Err(Error::invalid(format!("window={} is too large (KVSWAP_WINDOW)", self.window)));
@@ -433,6 +459,15 @@ mod tests {
         assert!(e.message.contains("KVSWAP_GPU_CHUNKS") && e.message.contains("UTF-8"), "{e}");
         let e = Config::from_os_lookup(raw("POCKETLLM_GGUF_KV_SWAP_GPU_CHUNKS")).unwrap_err();
         assert!(e.message.contains("POCKETLLM_GGUF_KV_SWAP_GPU_CHUNKS"), "{e}");
+        // The kvswap name set blank reads as unset, so its alias is read:
+        // an alias that is not UTF-8 is refused there too.
+        let e = Config::from_os_lookup(|k: &str| match k {
+            "KVSWAP_SYNC" => Some(" ".into()),
+            "POCKETLLM_GGUF_KV_SWAP_SYNC" => Some(std::ffi::OsString::from_vec(vec![b'0', 0xff])),
+            _ => None,
+        })
+        .unwrap_err();
+        assert!(e.message.contains("POCKETLLM_GGUF_KV_SWAP_SYNC") && e.message.contains("UTF-8"), "{e}");
         // UTF-8 values go through as before.
         let c = Config::from_os_lookup(|k: &str| (k == "KVSWAP_GPU_CHUNKS").then(|| "64".into())).unwrap();
         assert_eq!(c.gpu_chunks, 64);

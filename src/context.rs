@@ -230,7 +230,7 @@ impl Context {
     }
 
     /// The host-side checks of one swap-in: layer, NULL indices, count,
-    /// window bound.
+    /// window bound, and the entries inside the address space.
     fn check_swap_in_args(&self, layer: usize, indices: u64, window_len: u32, count: u32) -> Result<()> {
         let plan = self.plan(layer)?;
         if indices == 0 {
@@ -239,6 +239,9 @@ impl Context {
         self.check_count(layer, plan, count as usize)?;
         if window_len as u64 + plan.slots as u64 >= crate::layer::PHYS_ID_BOUND {
             return Err(Error::out_of_range(format!("window_len={window_len} + slots must stay below 2^30")));
+        }
+        if indices.checked_add(4 * (window_len as u64 + count as u64)).is_none() {
+            return Err(Error::out_of_range("indices + window_len + count runs past the end of the address space"));
         }
         Ok(())
     }

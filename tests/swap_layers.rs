@@ -223,3 +223,21 @@ fn swap_in_layers_sync_stops_at_the_first_refused_layer() {
     assert_eq!(bufs[1], topk, "the refused layer's entries hold the copied top-k");
     assert_eq!(bufs[2], [0, 0, 0], "the later request's entries are untouched");
 }
+
+/// Entries that would run past the end of the address space are refused
+/// before anything reads them, by one call (`kvswap_swap_in_selected`) as
+/// by several (`kvswap_swap_in_layers`).
+#[test]
+fn entries_past_the_end_of_the_address_space_are_refused() {
+    let ctx = context(true);
+    let near_end = u64::MAX - 7; // 4-byte aligned; 3 entries would wrap
+    // SAFETY: refused before any access (the point of the test).
+    let e = unsafe { ctx.swap_in_raw(0, near_end, 0, 3, 0) }.unwrap_err();
+    assert_eq!(e.status, KvswapStatus::OutOfRange, "{e}");
+    assert!(e.message.contains("past the end of the address space"), "{e}");
+    let r = [KvswapSwapIn { layer: 0, window_len: 0, count: 3, reserved: 0, indices: near_end as *mut i32 }];
+    // SAFETY: as above.
+    let e = unsafe { ctx.swap_in_layers_raw(&r, 0, 0) }.unwrap_err();
+    assert_eq!(e.status, KvswapStatus::OutOfRange, "{e}");
+    assert_eq!(ctx.stats(0).unwrap().swap_in_calls, 0, "nothing ran");
+}

@@ -67,7 +67,8 @@ pub struct KvswapContextInfo {
     pub device: i32,
     /// Layers in the context.
     pub n_layers: u32,
-    /// Layers with swap on (`compressed_cap > gpu_chunks`).
+    /// Layers with swap on (`compressed_cap > gpu_chunks`; 0 when swapping
+    /// is disabled, `KVSWAP_ENABLE=0`).
     pub swap_layers: u32,
     /// Bytes of host tier (pinned on CUDA) of all layers.
     pub host_tier_bytes: u64,
@@ -259,7 +260,8 @@ pub extern "C" fn kvswap_store(
 /// (`src_stride` 0 means `chunk_bytes`; with `n > 1` a stride must be at
 /// least `chunk_bytes`). `ids` is host memory. When an id repeats, its last
 /// row is stored. Every id is checked before anything is stored.
-/// Errors (nothing stored): `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`, `ids`
+/// Errors (nothing stored, except as said for a device error):
+/// `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`, `ids`
 /// or `src`); `KVSWAP_STATUS_INVALID_ARGUMENT` (`n` 0, a misaligned pointer,
 /// a stride below `chunk_bytes`, on CUDA the NULL stream or host memory
 /// where device memory is expected); `KVSWAP_STATUS_OUT_OF_RANGE` (a bad
@@ -267,8 +269,10 @@ pub extern "C" fn kvswap_store(
 /// address space or, on CUDA, of `src`'s allocation);
 /// `KVSWAP_STATUS_OUT_OF_MEMORY` (the batch's id table);
 /// `KVSWAP_STATUS_WRONG_DEVICE` (CUDA: memory or stream of another device);
-/// `KVSWAP_STATUS_DEVICE_ERROR` (CUDA); `KVSWAP_STATUS_PANIC` (a layer left
-/// unusable by an earlier panic).
+/// `KVSWAP_STATUS_DEVICE_ERROR` (CUDA: a batch of more than 256 distinct
+/// ids is stored by several launches, and those before a failed one have
+/// stored their rows); `KVSWAP_STATUS_PANIC` (a layer left unusable by an
+/// earlier panic).
 #[no_mangle]
 pub extern "C" fn kvswap_store_batch(
     ctx: *mut KvswapContext,

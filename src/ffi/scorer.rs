@@ -124,10 +124,13 @@ fn path_arg(path: *const c_char) -> Result<PathBuf> {
 /// head_dim 64/128/192/256, n_heads a multiple of 8 (of 64 above 64), hidden
 /// a multiple of 8). On CUDA, `KVSWAP_SYNC` (default 1), read from the
 /// environment here (the `fm_*` functions take no `KvswapConfig`; pass
-/// `cfg.fm_ckpt` and `cfg.fm_ensemble` yourself), decides whether scoring
-/// calls wait for their own errors (see `fm_scorer_sync`). On every
-/// backend `KVSWAP_FM_QUERY` (`auto`, the default, or `wide`; see
-/// `fm_scorer_set_query`), also read here, sets the query of fp8 keys.
+/// `cfg.fm_ckpt` yourself), decides whether scoring calls wait for their
+/// own errors (see `fm_scorer_sync`). On every backend `KVSWAP_FM_QUERY`
+/// (`auto`, the default, or `wide`; see `fm_scorer_set_query`), also read
+/// here, sets the query of fp8 keys, and `KVSWAP_FM_ENSEMBLE` (or
+/// `POCKETLLM_GGUF_FLASHMEMORY_ENSEMBLE`), when set, the ensemble (`max` or
+/// `mean`; unset or blank: the checkpoint's; `fm_scorer_set_ensemble`
+/// changes it later).
 /// Errors: `KVSWAP_STATUS_IO` for a missing or unreadable file;
 /// `KVSWAP_STATUS_BAD_CHECKPOINT` for a wrong format tag, a missing or
 /// malformed metadata field, a missing or mis-shaped tensor, an unsupported
@@ -136,8 +139,8 @@ fn path_arg(path: *const c_char) -> Result<PathBuf> {
 /// before the data is read), the message naming the field or tensor, what
 /// was expected and what was found; `KVSWAP_STATUS_NULL_POINTER` for a NULL
 /// `path` or `out`; `KVSWAP_STATUS_INVALID_ARGUMENT` for an empty path,
-/// `device < -1`, a misaligned `out`, a bad `KVSWAP_FM_QUERY` or (CUDA) a
-/// bad `KVSWAP_SYNC`;
+/// `device < -1`, a misaligned `out`, a bad `KVSWAP_FM_QUERY` or
+/// `KVSWAP_FM_ENSEMBLE`, or (CUDA) a bad `KVSWAP_SYNC`;
 /// `KVSWAP_STATUS_NO_DEVICE` for `device >= 0` without that CUDA device or
 /// driver (or in a build without CUDA); `KVSWAP_STATUS_UNSUPPORTED` for a
 /// shape the CUDA kernels do not cover, a driver older than CUDA 12.3, or

@@ -314,9 +314,11 @@ fn check_header(file: &mut std::fs::File, len: u64) -> std::result::Result<(), H
             }
         }
     }
-    let described = 8 + n + data_end;
-    if described != len {
-        return Err(not_st(format!("its header describes {described} bytes")));
+    // n <= HEADER_MAX; data_end comes from the file and may be anything.
+    match data_end.checked_add(8 + n) {
+        Some(described) if described == len => {}
+        Some(described) => return Err(not_st(format!("its header describes {described} bytes"))),
+        None => return Err(not_st(format!("a tensor's data_offsets end at byte {data_end}, past any file"))),
     }
     Ok(())
 }
@@ -357,10 +359,13 @@ fn expected_field(name: &str) -> String {
     }
 }
 
+/// A metadata number: decimal digits only (no sign, no spaces).
 fn int_field(name: &str, v: &str) -> Result<u32> {
-    v.trim()
-        .parse::<u32>()
-        .map_err(|_| bad(format!("metadata `{name}` = {v:?}: expected a positive integer")))
+    let digits = !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit());
+    digits
+        .then(|| v.parse::<u32>().ok())
+        .flatten()
+        .ok_or_else(|| bad(format!("metadata `{name}` = {v:?}: expected a positive integer")))
 }
 
 fn ensemble_field(v: &str) -> Result<Ensemble> {
@@ -448,7 +453,32 @@ mod tests {
         let e = Checkpoint::from_bytes(bytes).unwrap_err();
         assert_eq!(e.status, KvswapStatus::BadCheckpoint);
         assert!(e.message.contains("no `ensemble` field") && e.message.contains("max or mean"), "{}", e.message);
+        // Numbers are plain decimal digits: a sign or spaces are refused.
+        for v in [" 2", "+2", "2 ", "", "0x2", "-1"] {
+            let mut st_meta = meta().to_metadata();
+            st_meta.insert("n_scorers".into(), v.into());
+            let bytes = safetensors::serialize(tensors.iter().map(|t| (t.name.clone(), t)), Some(st_meta)).unwrap();
+            let e = Checkpoint::from_bytes(bytes).unwrap_err();
+            assert_eq!(e.status, KvswapStatus::BadCheckpoint, "{v:?}");
+            assert!(e.message.contains("`n_scorers`") && e.message.contains("positive integer"), "{v:?}: {}", e.message);
+        }
         let big = Meta { head_dim: 5000, ..meta() };
         assert!(big.validate().unwrap_err().message.contains("`head_dim` = 5000: expected an integer in 1..=4096"));
+    }
+
+    #[test]
+    fn data_offsets_past_any_file_are_refused() {
+        // A header whose tensor ends at byte 2^64 - 1: refused as a bad
+        // checkpoint from the header (the size sum used to overflow).
+        let header = br#"{"__metadata__":{"format":"flashmemory-v1"},"scorers.0.wq":{"dtype":"F32","shape":[1],"data_offsets":[0,18446744073709551615]}}"#;
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header);
+        file.extend_from_slice(&[0u8; 4]);
+        let path = std::env::temp_dir().join(format!("kvswap-offsets-{}.safetensors", std::process::id()));
+        std::fs::write(&path, &file).unwrap();
+        let e = Checkpoint::load(&path).unwrap_err();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(e.status, KvswapStatus::BadCheckpoint, "{e}");
+        assert!(e.message.contains("past any file"), "{e}");
     }
 }

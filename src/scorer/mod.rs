@@ -52,7 +52,8 @@ pub const FM_MAX_TOPK: u32 = 2048;
 pub const FM_MAX_SEQS: usize = 4096;
 
 /// A loaded scorer bound to a backend: the checkpoint, the backend that
-/// scores with it, and the ensemble in force (the checkpoint's until changed).
+/// scores with it, and the ensemble in force (`KVSWAP_FM_ENSEMBLE`'s when
+/// set at load, else the checkpoint's, until changed).
 ///
 /// Scoring takes `&self`, so one scorer may be used from several threads at
 /// once; changing the ensemble affects calls that start afterwards.
@@ -88,10 +89,13 @@ impl Scorer {
     }
 
     fn open(checkpoint: Arc<Checkpoint>, device: i32, sync: Option<bool>) -> Result<Scorer> {
-        // A bad KVSWAP_FM_QUERY is refused before any device work.
+        // A bad KVSWAP_FM_QUERY or KVSWAP_FM_ENSEMBLE is refused before any
+        // device work; the ensemble is the variable's where it is set, else
+        // the checkpoint's.
         let fp8_query = AtomicBool::new(query_setting()? == Query::Auto);
+        let ensemble = crate::config::Config::fm_ensemble_from_env()?.unwrap_or(checkpoint.meta().ensemble);
         let backend = backend::open_scorer(checkpoint.clone(), device, sync)?;
-        let ensemble = AtomicU32::new(ensemble_code(checkpoint.meta().ensemble));
+        let ensemble = AtomicU32::new(ensemble_code(ensemble));
         Ok(Scorer { checkpoint, backend, ensemble, fp8_query })
     }
 
