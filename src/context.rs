@@ -114,17 +114,21 @@ impl Context {
         Error::out_of_range(format!("layer {layer} is out of range: the context has {} layers", self.plans.len()))
     }
 
-    fn layer(&self, layer: usize) -> Result<MutexGuard<'_, Box<dyn LayerOps>>> {
+    fn layer(&self, layer: usize) -> Result<LayerGuard<'_>> {
         let m = self.layers.get(layer).ok_or_else(|| self.bad_layer(layer))?;
+        // Lines logged while the layer is locked wait for its unlock (a log
+        // callback may call back into this layer).
+        let quiet = crate::logging::defer();
         // A panic inside a layer operation poisons its mutex, and it may have
         // left the layer half-updated (an internal invariant failed): the
         // layer refuses every later call instead of working on that state.
-        m.lock().map_err(|_| {
+        let guard = m.lock().map_err(|_| {
             Error::new(
                 KvswapStatus::Panic,
                 format!("layer {layer} is unusable: an earlier call panicked inside it (KVSWAP_STATUS_PANIC); destroy the context"),
             )
-        })
+        })?;
+        Ok(LayerGuard { guard, _quiet: quiet })
     }
 
     /// At most `gpu_chunks` entries per call (on a fully resident layer, at
@@ -310,7 +314,9 @@ impl Context {
         // used in the requests' order.
         let mut order: Vec<usize> = (0..requests.len()).collect();
         order.sort_unstable_by_key(|&i| requests[i].layer);
-        let mut guards: Vec<Option<MutexGuard<'_, Box<dyn LayerOps>>>> = (0..requests.len()).map(|_| None).collect();
+        // Every layer's lines wait until the last of them is unlocked.
+        let _quiet = crate::logging::defer();
+        let mut guards: Vec<Option<LayerGuard<'_>>> = (0..requests.len()).map(|_| None).collect();
         for &i in &order {
             guards[i] = Some(self.layer(requests[i].layer as usize).map_err(|e| at(i, &requests[i], e))?);
         }
@@ -423,8 +429,29 @@ pub(crate) fn rows_span(rows: u64, stride: u64, last: u64) -> Option<u64> {
     rows.checked_sub(1)?.checked_mul(stride)?.checked_add(last).filter(|&b| b <= isize::MAX as u64)
 }
 
+/// A locked layer; the lines logged meanwhile are written once it is
+/// unlocked (fields drop in order: the lock, then the held-back lines).
+struct LayerGuard<'a> {
+    guard: MutexGuard<'a, Box<dyn LayerOps>>,
+    _quiet: crate::logging::Deferred,
+}
+
+impl std::ops::Deref for LayerGuard<'_> {
+    type Target = Box<dyn LayerOps>;
+    fn deref(&self) -> &Self::Target {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for LayerGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.guard
+    }
+}
+
 impl Drop for Context {
     fn drop(&mut self) {
+        let _quiet = crate::logging::defer();
         for (l, m) in self.layers.iter().enumerate() {
             let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
             // A deferred error nobody collected is reported, then the stats.

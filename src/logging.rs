@@ -61,6 +61,47 @@ fn count(st: &mut State, generation: u64, up: bool) {
 
 struct KvswapLogger;
 
+thread_local! {
+    /// Lines this thread logged while a [`defer`] guard was alive (None: no
+    /// guard), written when the outermost guard drops.
+    static DEFERRED: RefCell<Option<Vec<(log::Level, String)>>> = const { RefCell::new(None) };
+}
+
+/// Holds back this thread's log lines until it drops (guards nest: the
+/// outermost one writes them, in order). Made before a kvswap call takes a
+/// lock, it keeps the engine's log callback, which may call kvswap, from
+/// running while that lock is held.
+pub struct Deferred {
+    outermost: bool,
+}
+
+/// Starts holding back this thread's log lines; see [`Deferred`].
+pub fn defer() -> Deferred {
+    let outermost = DEFERRED
+        .try_with(|d| {
+            let mut d = d.borrow_mut();
+            let first = d.is_none();
+            if first {
+                *d = Some(Vec::new());
+            }
+            first
+        })
+        .unwrap_or(false);
+    Deferred { outermost }
+}
+
+impl Drop for Deferred {
+    fn drop(&mut self) {
+        if !self.outermost {
+            return;
+        }
+        let lines = DEFERRED.try_with(|d| d.borrow_mut().take()).ok().flatten().unwrap_or_default();
+        for (level, line) in lines {
+            emit(level, line);
+        }
+    }
+}
+
 impl log::Log for KvswapLogger {
     fn enabled(&self, m: &log::Metadata) -> bool {
         m.level() <= log::max_level()
@@ -70,42 +111,57 @@ impl log::Log for KvswapLogger {
             return;
         }
         let line = format!("{}", r.args());
-        let (sink, generation) = {
-            let mut st = state();
-            let (sink, generation) = (st.sink, st.generation);
-            if sink.callback.is_some() {
-                count(&mut st, generation, true);
+        let held = DEFERRED.try_with(|d| match d.borrow_mut().as_mut() {
+            Some(v) => {
+                v.push((r.level(), line.clone()));
+                true
             }
-            (sink, generation)
-        };
-        let Some(cb) = sink.callback else {
-            let _ = writeln!(std::io::stderr().lock(), "{line}");
+            None => false,
+        });
+        if held == Ok(true) {
             return;
-        };
-        /// Ends the call's count (also if it unwinds), waking a replacement
-        /// that waits for its generation. Made right after the count went up.
-        struct Running(u64, bool);
-        impl Drop for Running {
-            fn drop(&mut self) {
-                if self.1 {
-                    let _ = INSIDE.try_with(|v| v.borrow_mut().pop());
-                }
-                let mut st = state();
-                count(&mut st, self.0, false);
-                if self.0 != st.generation {
-                    RETURNED.notify_all();
-                }
-            }
         }
-        let mut running = Running(generation, false);
-        // (Not available while the thread's locals are torn down: a line
-        // logged from a destructor then goes out unmarked.)
-        running.1 = INSIDE.try_with(|v| v.borrow_mut().push(generation)).is_ok();
-        let c = CString::new(line.replace('\0', " ")).unwrap_or_default();
-        // SAFETY: the engine registered `cb` for exactly this call shape.
-        unsafe { cb(r.level() as u32, c.as_ptr(), sink.user_data as *mut c_void) }
+        emit(r.level(), line);
     }
     fn flush(&self) {}
+}
+
+/// Writes one line to the callback in force, or to stderr.
+fn emit(level: log::Level, line: String) {
+    let (sink, generation) = {
+        let mut st = state();
+        let (sink, generation) = (st.sink, st.generation);
+        if sink.callback.is_some() {
+            count(&mut st, generation, true);
+        }
+        (sink, generation)
+    };
+    let Some(cb) = sink.callback else {
+        let _ = writeln!(std::io::stderr().lock(), "{line}");
+        return;
+    };
+    /// Ends the call's count (also if it unwinds), waking a replacement
+    /// that waits for its generation. Made right after the count went up.
+    struct Running(u64, bool);
+    impl Drop for Running {
+        fn drop(&mut self) {
+            if self.1 {
+                let _ = INSIDE.try_with(|v| v.borrow_mut().pop());
+            }
+            let mut st = state();
+            count(&mut st, self.0, false);
+            if self.0 != st.generation {
+                RETURNED.notify_all();
+            }
+        }
+    }
+    let mut running = Running(generation, false);
+    // (Not available while the thread's locals are torn down: a line
+    // logged from a destructor then goes out unmarked.)
+    running.1 = INSIDE.try_with(|v| v.borrow_mut().push(generation)).is_ok();
+    let c = CString::new(line.replace('\0', " ")).unwrap_or_default();
+    // SAFETY: the engine registered `cb` for exactly this call shape.
+    unsafe { cb(level as u32, c.as_ptr(), sink.user_data as *mut c_void) }
 }
 
 /// The level `KVSWAP_LOG` sets, if it sets one.

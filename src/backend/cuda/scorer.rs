@@ -94,26 +94,6 @@ struct ScoreSeq {
     n: u32,
 }
 
-/// Log lines of a scoring call, written when it is dropped: after the call
-/// has released its workspace lock (declared before the lock), since a log
-/// callback may call into the scorer on the same stream.
-#[derive(Default)]
-struct DeferredLog(Vec<(log::Level, String)>);
-
-impl DeferredLog {
-    fn push(&mut self, level: log::Level, line: String) {
-        self.0.push((level, line));
-    }
-}
-
-impl Drop for DeferredLog {
-    fn drop(&mut self) {
-        for (level, line) in self.0.drain(..) {
-            log::log!(level, "{line}");
-        }
-    }
-}
-
 /// Whether fm_score_wg_fp8q_tma has been launched (its first launch is logged).
 static TMA_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
@@ -797,8 +777,10 @@ impl CudaScorer {
         let group_total = |g: &Vec<usize>| g.iter().map(|&i| seqs[i].n_chunks.next_multiple_of(32)).sum::<usize>();
         let max_chunks = groups.iter().map(group_total).max().unwrap_or(1);
         let max_group = groups.iter().map(Vec::len).max().unwrap_or(1);
-        // Declared before the lock, so dropped (written) after it is released.
-        let mut logs = DeferredLog::default();
+        // Lines logged while the workspace is locked wait for its unlock (a
+        // log callback may call the scorer on this stream): declared before
+        // the lock, so dropped after it.
+        let _quiet = crate::logging::defer();
         let slot = self.workspaces.slot(s);
         let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
         let ws = self.workspaces.ensure(&mut held, s, capturing, max_group, max_chunks, self.q_elems(), self.w_elems())?;
@@ -911,7 +893,7 @@ impl CudaScorer {
                     // the driver refuses sends the call to the ring instead.
                     let maps = if q.keys.scales % 16 == 0 {
                         TmaMaps::new(q.keys.data, q.keys.scales, q.n_chunks, strides[*only], self.head_dim)
-                            .inspect_err(|e| logs.push(log::Level::Warn, format!("kvswap: fm_score_wg_fp8q_tma: {}: this call uses the cp.async ring", e.message)))
+                            .inspect_err(|e| log::warn!("kvswap: fm_score_wg_fp8q_tma: {}: this call uses the cp.async ring", e.message))
                             .ok()
                     } else {
                         None
@@ -923,7 +905,7 @@ impl CudaScorer {
                         // describe the checked key and scale buffers.
                         unsafe { self.launch.dependent(tma, (per_seq, 1), *threads, *smem, s, &mut params)? };
                         if !TMA_SEEN.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                            logs.push(log::Level::Info, "kvswap: fm_score_wg_fp8q_tma launched (the TMA load path is in use)".into());
+                            log::info!("kvswap: fm_score_wg_fp8q_tma launched (the TMA load path is in use)");
                         }
                         let sel_blocks = (group_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
                         self.select.launch(&self.launch, sel, sel_blocks, err, s)?;
