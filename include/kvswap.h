@@ -123,7 +123,9 @@ typedef struct KvswapConfig {
   // set (the checkpoint's ensemble otherwise): pass this field to
   // `fm_scorer_set_ensemble` only to override a loaded scorer.
   KvswapEnsemble fm_ensemble;
-  // Log memory per stage. `KVSWAP_MEM_PROFILE`, default 0.
+  // Log memory per stage (`kvswap_mem stage=create` / `destroy` for the
+  // context; `fm_scorer_load` reads the variable itself for its
+  // `scorer_load` / `scorer_free` lines). `KVSWAP_MEM_PROFILE`, default 0.
   uint32_t mem_profile;
   // `KVSWAP_BACKEND_AUTO`, `_CPU` or `_CUDA`. `KVSWAP_BACKEND`, default auto.
   KvswapBackendKind backend;

@@ -65,7 +65,9 @@ pub struct KvswapConfig {
     /// set (the checkpoint's ensemble otherwise): pass this field to
     /// `fm_scorer_set_ensemble` only to override a loaded scorer.
     pub fm_ensemble: KvswapEnsemble,
-    /// Log memory per stage. `KVSWAP_MEM_PROFILE`, default 0.
+    /// Log memory per stage (`kvswap_mem stage=create` / `destroy` for the
+    /// context; `fm_scorer_load` reads the variable itself for its
+    /// `scorer_load` / `scorer_free` lines). `KVSWAP_MEM_PROFILE`, default 0.
     pub mem_profile: u32,
     /// `KVSWAP_BACKEND_AUTO`, `_CPU` or `_CUDA`. `KVSWAP_BACKEND`, default auto.
     pub backend: KvswapBackendKind,
@@ -202,26 +204,33 @@ impl Config {
         Self::from_os_lookup(|k| std::env::var_os(k))
     }
 
-    /// `KVSWAP_SYNC` (or its alias) alone, from the environment: for calls
-    /// that need only it (the scorer), so a bad value of another variable
-    /// does not fail them.
+    /// The settings with only `name` (and its alias) read from the
+    /// environment, and whether either is set to a non-blank value: for
+    /// calls that need that one setting (the scorer), so a bad value of
+    /// another variable does not fail them.
+    fn one_from_env(name: &str) -> Result<(Config, bool)> {
+        let var = VARS.iter().find(|v| v.name == name).expect("a setting of the table");
+        let only = |k: &str| (k == var.name || Some(k) == var.alias).then(|| std::env::var_os(k)).flatten();
+        let set = std::iter::once(var.name).chain(var.alias).any(|n| only(n).is_some_and(|v| v.to_str().is_none_or(|t| !t.trim().is_empty())));
+        Ok((Self::from_os_lookup(only)?, set))
+    }
+
+    /// `KVSWAP_SYNC` (or its alias) alone, from the environment.
     pub fn sync_from_env() -> Result<bool> {
-        let var = VARS.iter().find(|v| v.name == "KVSWAP_SYNC").expect("KVSWAP_SYNC is in the settings table");
-        let sync_only = |k: &str| (k == var.name || Some(k) == var.alias).then(|| std::env::var_os(k)).flatten();
-        Ok(Self::from_os_lookup(sync_only)?.sync)
+        Ok(Self::one_from_env("KVSWAP_SYNC")?.0.sync)
+    }
+
+    /// `KVSWAP_MEM_PROFILE` (or its alias) alone, from the environment.
+    pub fn mem_profile_from_env() -> Result<bool> {
+        Ok(Self::one_from_env("KVSWAP_MEM_PROFILE")?.0.mem_profile)
     }
 
     /// `KVSWAP_FM_ENSEMBLE` (or its alias) from the environment: None when
     /// neither is set (or both are blank), so that a scorer keeps its
     /// checkpoint's ensemble; a bad value is an error naming the variable.
     pub fn fm_ensemble_from_env() -> Result<Option<Ensemble>> {
-        let var = VARS.iter().find(|v| v.name == "KVSWAP_FM_ENSEMBLE").expect("KVSWAP_FM_ENSEMBLE is in the settings table");
-        let only = |k: &str| (k == var.name || Some(k) == var.alias).then(|| std::env::var_os(k)).flatten();
-        let set = std::iter::once(var.name).chain(var.alias).any(|n| only(n).is_some_and(|v| v.to_str().is_none_or(|t| !t.trim().is_empty())));
-        if !set {
-            return Ok(None);
-        }
-        Ok(Some(Self::from_os_lookup(only)?.fm_ensemble))
+        let (c, set) = Self::one_from_env("KVSWAP_FM_ENSEMBLE")?;
+        Ok(set.then_some(c.fm_ensemble))
     }
 
     /// `from_lookup` over raw environment values: a value that is not UTF-8

@@ -73,21 +73,23 @@ impl Context {
             }
         }
         if c.mem_profile {
-            let staging: u64 = self
-                .plans
-                .iter()
-                .filter(|p| p.staging.is_none())
-                .map(|p| p.slots as u64 * p.chunk_bytes as u64)
-                .sum();
-            log::info!(
-                "kvswap_mem stage=create backend={} host_tier_mib={:.2} staging_mib={:.2} layers={} device=\"{}\"",
-                self.backend.kind().name(),
-                host_bytes as f64 / (1 << 20) as f64,
-                staging as f64 / (1 << 20) as f64,
-                self.plans.len(),
-                self.backend.describe()
-            );
+            self.log_mem("create", host_bytes);
         }
+    }
+
+    /// The `KVSWAP_MEM_PROFILE` line of `stage`: the host tier and the
+    /// library-owned staging memory the context holds (create) or frees
+    /// (destroy).
+    fn log_mem(&self, stage: &str, host_bytes: u64) {
+        let staging: u64 = self.plans.iter().filter(|p| p.staging.is_none()).map(|p| p.slots as u64 * p.chunk_bytes as u64).sum();
+        log::info!(
+            "kvswap_mem stage={stage} backend={} host_tier_mib={:.2} staging_mib={:.2} layers={} device=\"{}\"",
+            self.backend.kind().name(),
+            host_bytes as f64 / (1 << 20) as f64,
+            staging as f64 / (1 << 20) as f64,
+            self.plans.len(),
+            self.backend.describe()
+        );
     }
 
     pub fn config(&self) -> &Config {
@@ -452,6 +454,9 @@ impl std::ops::DerefMut for LayerGuard<'_> {
 impl Drop for Context {
     fn drop(&mut self) {
         let _quiet = crate::logging::defer();
+        if self.config.mem_profile {
+            self.log_mem("destroy", total_host_bytes(&self.plans));
+        }
         for (l, m) in self.layers.iter().enumerate() {
             let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
             // A deferred error nobody collected is reported, then the stats.

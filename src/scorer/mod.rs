@@ -63,6 +63,16 @@ pub struct Scorer {
     ensemble: AtomicU32,
     /// fp8 keys get the fp8 query (`KVSWAP_FM_QUERY=auto`, the default).
     fp8_query: AtomicBool,
+    /// `KVSWAP_MEM_PROFILE` at load: log the weights at load and free.
+    mem_profile: bool,
+}
+
+impl Drop for Scorer {
+    fn drop(&mut self) {
+        if self.mem_profile {
+            self.log_mem("scorer_free");
+        }
+    }
 }
 
 impl Scorer {
@@ -94,9 +104,28 @@ impl Scorer {
         // the checkpoint's.
         let fp8_query = AtomicBool::new(query_setting()? == Query::Auto);
         let ensemble = crate::config::Config::fm_ensemble_from_env()?.unwrap_or(checkpoint.meta().ensemble);
+        let mem_profile = crate::config::Config::mem_profile_from_env()?;
         let backend = backend::open_scorer(checkpoint.clone(), device, sync)?;
         let ensemble = AtomicU32::new(ensemble_code(ensemble));
-        Ok(Scorer { checkpoint, backend, ensemble, fp8_query })
+        let scorer = Scorer { checkpoint, backend, ensemble, fp8_query, mem_profile };
+        if mem_profile {
+            scorer.log_mem("scorer_load");
+        }
+        Ok(scorer)
+    }
+
+    /// The `KVSWAP_MEM_PROFILE` line of `stage`: the weights the scorer
+    /// holds (scorer_load) or frees (scorer_free), where.
+    fn log_mem(&self, stage: &str) {
+        log::info!(
+            "kvswap_mem stage={stage} device={} weights_mib={:.2} scorers={} hidden={} heads={} head_dim={}",
+            self.device(),
+            self.checkpoint.weight_bytes() as f64 / (1 << 20) as f64,
+            self.checkpoint.meta().n_scorers,
+            self.checkpoint.meta().hidden,
+            self.checkpoint.meta().n_heads,
+            self.checkpoint.meta().head_dim
+        );
     }
 
     /// The checkpoint this scorer scores with.
