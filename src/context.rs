@@ -326,7 +326,8 @@ impl Context {
             guards.iter_mut().zip(requests).map(|(g, r)| (&mut **g.as_mut().expect("locked above"), *r)).collect();
         if self.config.sync {
             crate::backend::check_each(&work, topk, stream)?;
-            // SAFETY: forwarded caller contract.
+            // SAFETY: forwarded caller contract (both).
+            unsafe { crate::backend::check_entries_each(&work, topk)? };
             unsafe { crate::backend::swap_in_each(&mut work, topk, stream) }
         } else {
             // SAFETY: forwarded caller contract; checked as that method asks

@@ -182,7 +182,7 @@ impl Residency {
         &self.misses
     }
 
-    fn check(&self, pos: usize, id: i32) -> Result<(), EntryError> {
+    pub fn check(&self, pos: usize, id: i32) -> Result<(), EntryError> {
         if id < 0 || id as u32 >= self.cap {
             Err(EntryError::OutOfRange { pos, id })
         } else if !self.is_stored(id as u32) {

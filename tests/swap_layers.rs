@@ -76,13 +76,28 @@ fn matches_one_call_per_layer(sync: bool) {
         // SAFETY: host buffers of window + count + 1 ints and count ids.
         let got = unsafe { multi.swap_in_layers_raw(&requests, topk_ptr, 0) };
         let mut want = Ok(());
-        for (&l, e) in layers.iter().zip(expect.iter_mut()) {
-            if shared {
-                e[window as usize..(window + count) as usize].copy_from_slice(&topk);
+        // sync = 1: a request with an id its layer refuses (out of range or
+        // never stored: the twins' last 10 ids) refuses the call before any
+        // layer changes, with the error one call on that layer gives.
+        let refuses = |e: &[i32]| {
+            let ids = if shared { &topk[..] } else { &e[window as usize..(window + count) as usize] };
+            ids.iter().any(|&id| id != -1 && (id < 0 || id >= CAP as i32 - 10))
+        };
+        match layers.iter().zip(&expect).position(|(_, e)| sync && refuses(e)) {
+            Some(i) => {
+                let mut e = expect[i].clone();
+                if shared {
+                    e[window as usize..(window + count) as usize].copy_from_slice(&topk);
+                }
+                want = Err(single.swap_in(layers[i], &mut e[..(window + count) as usize], window).unwrap_err());
             }
-            if let Err(err) = single.swap_in(l, &mut e[..(window + count) as usize], window) {
-                want = Err(err);
-                break; // sync = 1: the call stops at the first refused layer
+            None => {
+                for (&l, e) in layers.iter().zip(expect.iter_mut()) {
+                    if shared {
+                        e[window as usize..(window + count) as usize].copy_from_slice(&topk);
+                    }
+                    single.swap_in(l, &mut e[..(window + count) as usize], window).unwrap();
+                }
             }
         }
         match (&got, &want) {
@@ -93,13 +108,10 @@ fn matches_one_call_per_layer(sync: bool) {
             }
             _ => panic!("step {step}: {got:?} vs {want:?}"),
         }
-        if let Err(g) = &got {
-            // The refused request (named by the error) and the ones after it
-            // did not run: their layers' call counts are as before the call.
-            let i: usize = g.message["requests[".len()..].split(']').next().unwrap().parse().unwrap();
+        if got.is_err() {
+            // No request ran: every layer's call count is as before the call.
             for (j, &l) in layers.iter().enumerate() {
-                let ran = multi.stats(l).unwrap().swap_in_calls - calls_before[j];
-                assert_eq!(ran, (j < i) as u64, "step {step}: request {j} (layer {l}), refused request {i}");
+                assert_eq!(multi.stats(l).unwrap().swap_in_calls, calls_before[j], "step {step}: request {j} (layer {l})");
             }
         }
         assert_eq!(bufs, expect, "step {step}: index buffers");
@@ -200,28 +212,41 @@ fn swap_in_layers_refuses_bad_requests_before_any_layer_changes() {
     }
 }
 
-/// With sync = 1 the call stops at the first refused layer: the layers
-/// before it are done, it and the ones after it are unchanged (its entries
-/// hold the copied top-k).
+/// With sync = 1 an id a layer refuses (never stored, out of range) refuses
+/// the call before any layer changes: no layer runs, no entries change (the
+/// top-k is not copied), and the error names the first refused request.
 #[test]
-fn swap_in_layers_sync_stops_at_the_first_refused_layer() {
-    let mut rng = Rng::fresh("swap layers stop");
+fn swap_in_layers_sync_refuses_a_bad_id_before_any_layer_changes() {
+    let mut rng = Rng::fresh("swap layers refuse");
     let (ctx, _) = twins(&mut rng, true);
     let topk = [0i32, 1, CAP as i32 - 1]; // the last id was never stored
-    let mut bufs = vec![vec![0i32; 3]; 3];
     // Layer 4 has that id stored; layers 0 and 5 do not.
     ctx.store(4, CAP as i32 - 1, &[1u8; CHUNK]).unwrap();
-    let p: Vec<*mut i32> = bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
-    let r = [4u32, 0, 5].map(|l| l as usize).iter().zip(&p).map(|(&l, &q)| KvswapSwapIn { layer: l as u32, window_len: 0, count: 3, reserved: 0, indices: q }).collect::<Vec<_>>();
-    // SAFETY: three host buffers of 3 ints, topk of 3.
-    let e = unsafe { ctx.swap_in_layers_raw(&r, topk.as_ptr() as u64, 0) }.unwrap_err();
-    assert_eq!(e.status, KvswapStatus::NotStored, "{e}");
-    assert!(e.message.starts_with("requests[1] (layer 0): layer 0: selected chunk 199"), "{e}");
-    assert_eq!(ctx.stats(4).unwrap().swap_in_calls, 1, "request 0 ran");
-    assert_eq!(ctx.stats(0).unwrap().swap_in_calls, 0, "request 1 was refused");
-    assert_eq!(ctx.stats(5).unwrap().swap_in_calls, 0, "request 2 did not run");
-    assert_eq!(bufs[1], topk, "the refused layer's entries hold the copied top-k");
-    assert_eq!(bufs[2], [0, 0, 0], "the later request's entries are untouched");
+    for (shared, bad) in [(true, CAP as i32 - 1), (false, CAP as i32 - 1), (false, CAP as i32 + 7)] {
+        let mut bufs = vec![vec![0i32; 3]; 3];
+        if !shared {
+            for b in &mut bufs {
+                b.copy_from_slice(&[0, 1, bad]);
+            }
+        }
+        let pristine = bufs.clone();
+        let before: Vec<_> = [4usize, 0, 5].iter().map(|&l| (ctx.stats(l).unwrap(), ctx.residency(l).unwrap())).collect();
+        let p: Vec<*mut i32> = bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
+        let r = [4u32, 0, 5].iter().zip(&p).map(|(&l, &q)| KvswapSwapIn { layer: l, window_len: 0, count: 3, reserved: 0, indices: q }).collect::<Vec<_>>();
+        let topk_ptr = if shared { topk.as_ptr() as u64 } else { 0 };
+        // SAFETY: three host buffers of 3 ints, topk of 3.
+        let e = unsafe { ctx.swap_in_layers_raw(&r, topk_ptr, 0) }.unwrap_err();
+        // Never stored: layer 4 has it, so request 1 (layer 0) is the first
+        // refused; out of range: every layer refuses it, request 0 first.
+        let (status, what, first) =
+            if bad < CAP as i32 { (KvswapStatus::NotStored, "was never stored", "requests[1] (layer 0): layer 0:") } else { (KvswapStatus::OutOfRange, "is outside", "requests[0] (layer 4): layer 4:") };
+        assert_eq!(e.status, status, "{e}");
+        assert!(e.message.starts_with(first) && e.message.contains(what), "{e}");
+        assert_eq!(bufs, pristine, "shared {shared}: no entries changed");
+        for (j, &l) in [4usize, 0, 5].iter().enumerate() {
+            assert_eq!((ctx.stats(l).unwrap(), ctx.residency(l).unwrap()), before[j], "shared {shared}: layer {l} unchanged");
+        }
+    }
 }
 
 /// Entries that would run past the end of the address space are refused

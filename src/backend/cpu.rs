@@ -113,6 +113,20 @@ impl LayerOps for CpuLayer {
         self
     }
 
+    unsafe fn check_entries(&self, indices: u64, window_len: u32, count: u32, src_ids: u64) -> Result<()> {
+        if !self.strict {
+            return Ok(()); // refused ids become -1 with a deferred error: nothing fails
+        }
+        let from = if src_ids != 0 { src_ids } else { indices + 4 * window_len as u64 };
+        // SAFETY: the caller guarantees `count` int32 values there (the
+        // shared top-k, or the entries after the window).
+        let ids = unsafe { std::slice::from_raw_parts(from as *const i32, count as usize) };
+        for (pos, &id) in ids.iter().enumerate().filter(|(_, &id)| id != -1) {
+            self.residency.check(pos, id).map_err(|e| self.plan.entry_error(e))?;
+        }
+        Ok(())
+    }
+
     unsafe fn swap_in(&mut self, indices: u64, window_len: u32, count: u32, src_ids: u64, _stream: StreamHandle) -> Result<()> {
         if src_ids != 0 {
             // SAFETY: the caller guarantees `count` ids at src_ids and

@@ -60,6 +60,19 @@ pub trait LayerOps: Send {
         Ok(())
     }
 
+    /// The ids `swap_in` would read (`src_ids` when not 0, else the
+    /// entries) checked as it checks them, changing nothing: the error it
+    /// would return for the first one it refuses. For a call over several
+    /// layers that must refuse a bad id before any layer changes. A backend
+    /// whose ids are checked on the device returns Ok (its `swap_in`
+    /// reports them).
+    ///
+    /// # Safety
+    /// As `swap_in`.
+    unsafe fn check_entries(&self, _indices: u64, _window_len: u32, _count: u32, _src_ids: u64) -> Result<()> {
+        Ok(())
+    }
+
     /// Counters (synchronises with the device). Returns a deferred error of an
     /// earlier asynchronous call first, if any.
     fn stats(&mut self) -> Result<KvswapLayerStats>;
@@ -121,6 +134,18 @@ pub trait Backend: Send + Sync {
 pub(crate) fn check_each(layers: &[(&mut Box<dyn LayerOps>, KvswapSwapIn)], src_ids: u64, stream: StreamHandle) -> Result<()> {
     for (i, (l, r)) in layers.iter().enumerate() {
         l.check_swap_in(r.indices as u64, r.window_len, r.count, src_ids, stream).map_err(|e| r.error(i, e))?;
+    }
+    Ok(())
+}
+
+/// Every request's `check_entries`, before any layer changes.
+///
+/// # Safety
+/// As `LayerOps::swap_in`, for every request.
+pub(crate) unsafe fn check_entries_each(layers: &[(&mut Box<dyn LayerOps>, KvswapSwapIn)], src_ids: u64) -> Result<()> {
+    for (i, (l, r)) in layers.iter().enumerate() {
+        // SAFETY: forwarded caller contract.
+        unsafe { l.check_entries(r.indices as u64, r.window_len, r.count, src_ids) }.map_err(|e| r.error(i, e))?;
     }
     Ok(())
 }
