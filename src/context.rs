@@ -272,7 +272,7 @@ impl Context {
         for (i, r) in requests.iter().enumerate() {
             let indices = r.indices as u64;
             self.check_swap_in_args(r.layer as usize, indices, r.window_len, r.count).map_err(|e| at(i, r, e))?;
-            if indices % 4 != 0 {
+            if !indices.is_multiple_of(4) {
                 return Err(at(i, r, Error::invalid(format!("indices ({indices:#x}) is not aligned to 4 bytes"))));
             }
             if r.reserved != 0 {
@@ -297,7 +297,7 @@ impl Context {
             )));
         }
         if topk != 0 {
-            if topk % 4 != 0 {
+            if !topk.is_multiple_of(4) {
                 return Err(Error::invalid(format!("topk ({topk:#x}) is not aligned to 4 bytes")));
             }
             let end = topk.checked_add(4 * max_count as u64).ok_or_else(|| Error::out_of_range("topk + count runs past the end of the address space"))?;

@@ -445,7 +445,7 @@ fn decode(ctx: &Context, p: &DemoParams, progress: &mut dyn FnMut(u64)) -> Resul
     for step in 0..p.steps {
         tokens += 1;
         let t_store = Instant::now();
-        if tokens % p.ratio as u64 == 0 {
+        if tokens.is_multiple_of(p.ratio as u64) {
             store_everywhere(ctx, &mut buf, stored)?;
             stored += 1;
         }

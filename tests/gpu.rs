@@ -763,7 +763,7 @@ fn swap_in_layers_matches_cpu() {
             for &l in order {
                 assert_eq!(cpu.stats(l).unwrap(), gpu.stats(l).unwrap(), "sync {sync} step {step} layer {l}: stats");
             }
-            if step % 25 == 0 {
+            if step.is_multiple_of(25) {
                 let l = order[rng.below(order.len() as u64) as usize];
                 for (slot, _) in cpu.residency(l).unwrap() {
                     assert_eq!(cpu.slot_bytes(l, slot).unwrap(), gpu.slot_bytes(l, slot).unwrap(), "sync {sync} step {step} layer {l} slot {slot}");
@@ -935,7 +935,7 @@ fn swap_in_layers_mixed_layers_match_cpu() {
     let mut rng = Rng::fresh("gpu swap layers mixed");
     let (layers, slots, window) = (70usize, 64u32, 4u32);
     let cap = |l: usize| if l % 7 == 3 { 40u32 } else { 600 + 13 * l as u32 }; // 40 <= slots: fully resident
-    let chunk = |l: usize| if l % 2 == 0 { 256usize } else { 100 };
+    let chunk = |l: usize| if l.is_multiple_of(2) { 256usize } else { 100 };
     let specs: Vec<_> = (0..layers).map(|l| spec(cap(l), chunk(l) as u32)).collect();
     let (cpu, gpu) = twins(&mut rng, &specs, slots, false, |l| cap(l) - 3); // the last 3 never stored
     let (_dev, _g, [stream]) = gpu0();

@@ -126,7 +126,7 @@ fn st_file(meta: &[(&str, &str)], tensors: &[(String, &str, Vec<usize>, Vec<u8>)
         offset += data.len();
     }
     let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).unwrap();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut file = (h.len() as u64).to_le_bytes().to_vec();

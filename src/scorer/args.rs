@@ -61,7 +61,7 @@ pub fn key_stride(dtype: KeyDtype, row_stride_bytes: usize, dim: usize) -> Resul
     if row_stride_bytes == 0 {
         return Ok(row);
     }
-    if row_stride_bytes < row || row_stride_bytes % dtype.size() != 0 {
+    if row_stride_bytes < row || !row_stride_bytes.is_multiple_of(dtype.size()) {
         return Err(Error::invalid(format!(
             "keys.row_stride_bytes = {row_stride_bytes}: expected 0 (dense) or a multiple of {} that is >= {row} \
              ({dim} {} elements)",
@@ -86,7 +86,7 @@ pub fn check_ptr(addr: u64, align: u64, name: &str) -> Result<()> {
     if addr == 0 {
         return Err(Error::null(name));
     }
-    if addr % align != 0 {
+    if !addr.is_multiple_of(align) {
         return Err(Error::invalid(format!("`{name}` = {addr:#x} is not {align}-byte aligned")));
     }
     Ok(())

@@ -30,7 +30,7 @@ pub fn check_dim(dim: usize) -> Result<()> {
 pub fn check(query: &[f32], min: &[f32], max: &[f32]) -> Result<()> {
     let dim = query.len();
     check_dim(dim)?;
-    if min.len() != max.len() || min.len() % dim != 0 {
+    if min.len() != max.len() || !min.len().is_multiple_of(dim) {
         return Err(Error::invalid(format!(
             "bounds hold {} and {} values: expected the same whole number of rows of dim = {dim}",
             min.len(),

@@ -144,7 +144,7 @@ impl<'a> Keys<'a> {
 }
 
 fn rows(len: usize, dim: usize) -> Result<usize> {
-    if dim == 0 || len % dim != 0 {
+    if dim == 0 || !len.is_multiple_of(dim) {
         return Err(Error::invalid(format!("keys: {len} values are not a whole number of rows of {dim}")));
     }
     Ok(len / dim)

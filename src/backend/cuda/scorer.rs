@@ -718,7 +718,7 @@ impl CudaScorer {
         // Every scoring kernel copies key rows in 16-byte pieces (cp.async),
         // fp8 ones included: a misaligned address would be a device fault
         // that poisons the context, so it is refused here.
-        if k.data % 16 != 0 || stride % 16 != 0 {
+        if !k.data.is_multiple_of(16) || stride % 16 != 0 {
             return Err(Error::invalid(format!(
                 "{what}: the CUDA scorer reads {} key rows 16 bytes at a time: data and row stride must be \
                  16-byte aligned (data {:#x}, stride {stride})",
@@ -891,7 +891,7 @@ impl CudaScorer {
                     let q = &seqs[*only];
                     // The maps are encoded on the host (no device work): one
                     // the driver refuses sends the call to the ring instead.
-                    let maps = if q.keys.scales % 16 == 0 {
+                    let maps = if q.keys.scales.is_multiple_of(16) {
                         TmaMaps::new(q.keys.data, q.keys.scales, q.n_chunks, strides[*only], self.head_dim)
                             .inspect_err(|e| log::warn!("kvswap: fm_score_wg_fp8q_tma: {}: this call uses the cp.async ring", e.message))
                             .ok()
