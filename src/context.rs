@@ -278,10 +278,7 @@ impl Context {
             if r.reserved != 0 {
                 return Err(at(i, r, Error::invalid(format!("reserved is {}: it must be 0", r.reserved))));
             }
-            let start = indices
-                .checked_add(4 * (r.window_len as u64 + r.count as u64))
-                .map(|end| end - 4 * r.count as u64)
-                .ok_or_else(|| at(i, r, Error::out_of_range("indices + window_len + count runs past the end of the address space")))?;
+            let start = indices + 4 * r.window_len as u64; // in the address space: check_swap_in_args
             if r.count > 0 {
                 spans.push((start, start + 4 * r.count as u64, Some(i)));
             }

@@ -111,17 +111,17 @@ impl log::Log for KvswapLogger {
             return;
         }
         let line = format!("{}", r.args());
-        let held = DEFERRED.try_with(|d| match d.borrow_mut().as_mut() {
-            Some(v) => {
-                v.push((r.level(), line.clone()));
-                true
+        // Held back under a `defer` guard, else written now (also while the
+        // thread's locals are torn down).
+        let mut line = Some(line);
+        let _ = DEFERRED.try_with(|d| {
+            if let Some(v) = d.borrow_mut().as_mut() {
+                v.extend(line.take().map(|l| (r.level(), l)));
             }
-            None => false,
         });
-        if held == Ok(true) {
-            return;
+        if let Some(line) = line {
+            emit(r.level(), line);
         }
-        emit(r.level(), line);
     }
     fn flush(&self) {}
 }

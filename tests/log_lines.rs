@@ -25,12 +25,18 @@ fn seen() -> Vec<String> {
     LINES.lock().unwrap().clone()
 }
 
-#[test]
-fn lines_logged_under_a_guard_are_written_when_the_outermost_guard_drops() {
-    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
+/// This test's turn: no lines yet, `record` the callback, level info.
+fn start() -> std::sync::MutexGuard<'static, ()> {
+    let turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
     LINES.lock().unwrap().clear();
     assert_eq!(kvswap_set_log_callback(Some(record), std::ptr::null_mut()), KvswapStatus::Ok);
     assert_eq!(kvswap_set_log_level(3), KvswapStatus::Ok);
+    turn
+}
+
+#[test]
+fn lines_logged_under_a_guard_are_written_when_the_outermost_guard_drops() {
+    let _turn = start();
     log::info!("log-defer-test: direct");
     assert_eq!(seen(), ["log-defer-test: direct"]);
     {
@@ -59,10 +65,7 @@ fn lines_logged_under_a_guard_are_written_when_the_outermost_guard_drops() {
 fn memory_profile_lines_at_each_stage() {
     use kvswap::scorer::{write, Checkpoint, Meta, Scorer, WeightDtype};
     use kvswap::{BackendChoice, Config, Context, Ensemble, KvswapLayerSpec};
-    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
-    LINES.lock().unwrap().clear();
-    assert_eq!(kvswap_set_log_callback(Some(record), std::ptr::null_mut()), KvswapStatus::Ok);
-    assert_eq!(kvswap_set_log_level(3), KvswapStatus::Ok);
+    let _turn = start();
     // A context: its host tier and staging at create and at destroy.
     let config = Config { backend: BackendChoice::Cpu, enable: true, gpu_chunks: 8, index_topk: 8, mem_profile: true, ..Config::default() };
     let spec = KvswapLayerSpec { compressed_cap: 64, chunk_bytes: 1 << 14, staging: std::ptr::null_mut(), staging_stride: 0 };

@@ -101,7 +101,11 @@ static TMA_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::
 /// TmaMaps): the keys (128-byte rows of `head_dim` fp8 codes, `stride`
 /// apart, boxes of 64 rows with the 128-byte swizzle) and their f32 scales
 /// (boxes of 64), for one sequence.
+/// What a `TmaMaps` describes: keys, scales, chunks, row stride.
+type TmaKey = (u64, u64, usize, u32);
+
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct TmaMaps {
     map: [TensorMap; 2],
 }
@@ -186,6 +190,10 @@ struct Workspace {
     /// A call was captured on this stream: a graph holding it records its
     /// errors here wherever it is launched (see `Workspaces::sync_errors`).
     captured: AtomicBool,
+    /// The TMA kernel's last tensor maps and what they describe (keys,
+    /// scales, chunks, stride): a decode loop's calls on one stream reuse
+    /// them instead of encoding two maps on the host every call.
+    tma_maps: std::cell::Cell<Option<(TmaKey, TmaMaps)>>,
 }
 
 impl Workspace {
@@ -203,6 +211,7 @@ impl Workspace {
             err: DeviceBuffer::alloc(16, "scorer error")?,
             readback: PinnedBuffer::alloc(16)?,
             captured: AtomicBool::new(false),
+            tma_maps: std::cell::Cell::new(None),
         };
         Ok(ws)
     }
@@ -891,12 +900,14 @@ impl CudaScorer {
                     let q = &seqs[*only];
                     // The maps are encoded on the host (no device work): one
                     // the driver refuses sends the call to the ring instead.
-                    let maps = if q.keys.scales.is_multiple_of(16) {
-                        TmaMaps::new(q.keys.data, q.keys.scales, q.n_chunks, strides[*only], self.head_dim)
+                    let key = (q.keys.data, q.keys.scales, q.n_chunks, strides[*only]);
+                    let maps = match ws.tma_maps.get() {
+                        Some((k, m)) if k == key => Some(m),
+                        _ if q.keys.scales.is_multiple_of(16) => TmaMaps::new(key.0, key.1, key.2, key.3, self.head_dim)
+                            .inspect(|m| ws.tma_maps.set(Some((key, *m))))
                             .inspect_err(|e| log::warn!("kvswap: fm_score_wg_fp8q_tma: {}: this call uses the cp.async ring", e.message))
-                            .ok()
-                    } else {
-                        None
+                            .ok(),
+                        _ => None,
                     };
                     if let Some(mut maps) = maps {
                         let mut params = kernel_params![sb, err, maps];
