@@ -504,17 +504,19 @@ enum KvswapStatus kvswap_swap_in_selected(struct KvswapContext *ctx,
 // be discarded (its graph would update residency without copying). When a
 // launch of a later pair fails, the pairs before it were issued and the
 // ones after it are unchanged. With `KVSWAP_VALIDATE=1`, with `sync = 1`, and on the CPU
-// backend, the layers run one after another in the requests' order. On
-// the CPU backend with `sync = 1`, every request's ids (`topk`, or its
+// backend, the layers run one after another in the requests' order. With
+// `sync = 1`, on both backends, every request's ids (`topk`, or its
 // entries) are checked first: an id out of range or never stored refuses
 // the call before any layer or entry changes, with the error
-// `kvswap_swap_in_selected` gives for it, naming the first such request.
-// On CUDA with `sync = 1` (or `KVSWAP_VALIDATE=1`) the ids are checked on
-// the device, layer by layer: a request whose swap-in fails stops the
-// call, which returns its error (naming the request and layer); the
-// requests before it were done, the ones after it are unchanged, and its
-// own layer is left as `kvswap_swap_in_selected` leaves it on that error,
-// with `topk` possibly already copied into its entries.
+// `kvswap_swap_in_selected` gives for it, naming the first such request
+// (on CUDA by one small check kernel per request on `stream`, then one
+// wait for them all). Any other failure of a request's swap-in with
+// `sync = 1` (on CUDA a device error, or with `KVSWAP_VALIDATE=1` a slot
+// that differs from its host copy) stops the call, which returns its
+// error (naming the request and layer); the requests before it were done,
+// the ones after it are unchanged, and its own layer is left as
+// `kvswap_swap_in_selected` leaves it on that error, with `topk` possibly
+// already copied into its entries.
 // With `sync = 0` errors in the entries are deferred per layer, as
 // `kvswap_swap_in_selected` defers them, and every request runs.
 //

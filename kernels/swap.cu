@@ -278,6 +278,25 @@ kvswap_swap_in(LayerDev L, i32* indices, u32 window, u32 count, u32 strict) {
     swap_in_block(L, indices, window, count, strict);
 }
 
+// kvswap_swap_in_layers with KVSWAP_SYNC=1: one request's ids (its
+// entries, or the shared top-k) checked as swap_in_block checks them before
+// any layer changes. Writes only the layer's error record: the code,
+// position and id of the first bad entry, as the swap-in would. One block.
+extern "C" __global__ void __launch_bounds__(1024) kvswap_check_entries(LayerDev L, const i32* ids, u32 count) {
+    __shared__ u32 s_err_pos;
+    if (threadIdx.x == 0) s_err_pos = KV_NONE;
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < count; i += blockDim.x) {
+        const i32 id = ids[i];
+        if (id != -1 && (id < 0 || (u32)id >= L.cap || !is_stored(L, (u32)id))) atomicMin(&s_err_pos, i);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && s_err_pos != KV_NONE) {
+        const i32 id = ids[s_err_pos];
+        record_error(L.err, (id < 0 || (u32)id >= L.cap) ? KV_ERR_OUT_OF_RANGE : KV_ERR_NOT_STORED, s_err_pos, (u32)id);
+    }
+}
+
 // The swap-ins of several layers in one launch (kvswap_swap_in_layers): one
 // block per request, each what kvswap_swap_in does for its layer (never
 // strict), after copying the shared top-k `src` (when not NULL) into the

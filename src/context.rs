@@ -324,7 +324,7 @@ impl Context {
         if self.config.sync {
             crate::backend::check_each(&work, topk, stream)?;
             // SAFETY: forwarded caller contract (both).
-            unsafe { crate::backend::check_entries_each(&work, topk)? };
+            unsafe { crate::backend::check_entries_each(&mut work, topk, stream)? };
             unsafe { crate::backend::swap_in_each(&mut work, topk, stream) }
         } else {
             // SAFETY: forwarded caller contract; checked as that method asks

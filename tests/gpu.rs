@@ -685,8 +685,10 @@ fn freed_range_is_refused_after_passing_once() {
 /// one CPU `swap_in` per request: eager calls over random subsets
 /// of 21 layers in random order with the shared top-k copied in, then the
 /// same call captured in a graph and replayed with new top-k values, then a
-/// KVSWAP_SYNC=1 context (one layer after another; a fixed step stops at a
-/// middle request, and random never-stored ids stop others). Index buffers
+/// KVSWAP_SYNC=1 context (one layer after another, every request's ids
+/// checked first: a fixed step with a middle request's id never stored, and
+/// random never-stored and out-of-range ids, refuse the call before any
+/// layer or entry changes, as the CPU backend's call does). Index buffers
 /// (after eager calls read back on the call's stream, so the call's work
 /// must be ordered on it), errors, counters and the staged bytes of the selected slots
 /// equal the CPU's at every step; with KVSWAP_SYNC=0 a never-stored id is
@@ -719,6 +721,8 @@ fn swap_in_layers_matches_cpu() {
                 // Never stored: deferred (sync = 0), or stops the call (sync = 1, rarer).
                 0 if !sync || rng.below(20) == 0 => (cap - 1 - rng.below(8) as u32) as i32,
                 1 => -1,
+                // Out of range: refuses the call (sync = 1 only, rarer).
+                2 if sync && rng.below(20) == 0 => (cap + rng.below(8) as u32) as i32,
                 _ => ((hot + rng.below(3 * slots as u64) as u32) % (cap - 8)) as i32,
             }
         };
@@ -728,17 +732,28 @@ fn swap_in_layers_matches_cpu() {
             let count = sel.len() as u32;
             let mut host = vec![-9i32; window as usize];
             host.extend(std::iter::repeat_n(-7, count as usize));
-            // The CPU reference stops at the first refused layer (sync = 1):
-            // its entries keep the copied top-k, the later ones are untouched.
-            let mut expect = Vec::new();
-            let mut want = Ok(());
-            for &l in order {
-                let mut e = host.clone();
-                if want.is_ok() {
+            // The CPU reference: with sync = 0 one swap_in per request; with
+            // sync = 1 the CPU backend's own kvswap_swap_in_layers (checked
+            // against one call per request in tests/swap_layers.rs), which
+            // refuses a call with a refused id before any layer or entry
+            // changes.
+            let mut expect: Vec<Vec<i32>> = order.iter().map(|_| host.clone()).collect();
+            let want = if sync {
+                let reqs: Vec<KvswapSwapIn> = order
+                    .iter()
+                    .zip(expect.iter_mut())
+                    .map(|(&l, e)| KvswapSwapIn { layer: l as u32, window_len: window, count, reserved: 0, indices: e.as_mut_ptr() })
+                    .collect();
+                // SAFETY: host buffers of window + count ints, sel of count.
+                unsafe { cpu.swap_in_layers_raw(&reqs, sel.as_ptr() as u64, 0) }
+            } else {
+                for (&l, e) in order.iter().zip(expect.iter_mut()) {
                     e[window as usize..].copy_from_slice(sel);
-                    want = cpu.swap_in(l, &mut e, window);
+                    cpu.swap_in(l, e, window).unwrap(); // errors deferred
                 }
-                expect.push(e);
+                Ok(())
+            };
+            for &l in order {
                 unsafe { driver::copy_htod_async(idx[l].ptr, host.as_ptr() as *const u8, 4 * host.len(), s).unwrap() };
             }
             unsafe { driver::copy_htod_async(topk.ptr, sel.as_ptr() as *const u8, 4 * sel.len(), s).unwrap() };
@@ -772,8 +787,9 @@ fn swap_in_layers_matches_cpu() {
         };
         if sync {
             // Chunk cap - 1 stored in layers 0 and 1 only: a call over layers
-            // 0..4 selecting it stops at request 2 (layer 2); layers 0 and 1
-            // are done, layer 2 holds the copied top-k, layer 3 is untouched.
+            // 0..4 selecting it is refused, naming request 2 (layer 2), before
+            // any layer or entry changes (the device checks every request's
+            // ids first).
             for l in 0..2 {
                 cpu.store(l, cap as i32 - 1, &rows[..chunk]).unwrap();
                 gpu.store(l, cap as i32 - 1, &rows[..chunk]).unwrap();

@@ -113,7 +113,7 @@ impl LayerOps for CpuLayer {
         self
     }
 
-    unsafe fn check_entries(&self, indices: u64, window_len: u32, count: u32, src_ids: u64) -> Result<()> {
+    unsafe fn check_entries(&mut self, indices: u64, window_len: u32, count: u32, src_ids: u64, _stream: StreamHandle) -> Result<()> {
         if !self.strict {
             return Ok(()); // refused ids become -1 with a deferred error: nothing fails
         }

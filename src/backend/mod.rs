@@ -61,15 +61,24 @@ pub trait LayerOps: Send {
     }
 
     /// The ids `swap_in` would read (`src_ids` when not 0, else the
-    /// entries) checked as it checks them, changing nothing: the error it
-    /// would return for the first one it refuses. For a call over several
-    /// layers that must refuse a bad id before any layer changes. A backend
-    /// whose ids are checked on the device returns Ok (its `swap_in`
-    /// reports them).
+    /// entries) checked as it checks them, changing nothing but a pending
+    /// result: the error it would return for the first one it refuses. For
+    /// a call over several layers that must refuse a bad id before any
+    /// layer changes (`check_entries_each`). A backend that checks on the
+    /// host returns that error here; one that checks on the device queues
+    /// the check on `stream` (after the work before it there) and returns
+    /// its result from `entries_checked`, which must be called after every
+    /// `check_entries` that returned Ok.
     ///
     /// # Safety
     /// As `swap_in`.
-    unsafe fn check_entries(&self, _indices: u64, _window_len: u32, _count: u32, _src_ids: u64) -> Result<()> {
+    unsafe fn check_entries(&mut self, _indices: u64, _window_len: u32, _count: u32, _src_ids: u64, _stream: StreamHandle) -> Result<()> {
+        Ok(())
+    }
+
+    /// The result of the check `check_entries` queued, once it has run
+    /// (Ok when none is pending). Clears it.
+    fn entries_checked(&mut self) -> Result<()> {
         Ok(())
     }
 
@@ -138,16 +147,36 @@ pub(crate) fn check_each(layers: &[(&mut Box<dyn LayerOps>, KvswapSwapIn)], src_
     Ok(())
 }
 
-/// Every request's `check_entries`, before any layer changes.
+/// Every request's `check_entries`, before any layer changes: all of them
+/// queued (or done, on the host), then every queued result collected, so
+/// that a device check costs one wait for the whole call. Returns the error
+/// of the first request (in the requests' order) that one of them refused;
+/// every queued result is collected either way, so none is left pending.
 ///
 /// # Safety
 /// As `LayerOps::swap_in`, for every request.
-pub(crate) unsafe fn check_entries_each(layers: &[(&mut Box<dyn LayerOps>, KvswapSwapIn)], src_ids: u64) -> Result<()> {
-    for (i, (l, r)) in layers.iter().enumerate() {
+pub(crate) unsafe fn check_entries_each(layers: &mut [(&mut Box<dyn LayerOps>, KvswapSwapIn)], src_ids: u64, stream: StreamHandle) -> Result<()> {
+    let mut first: Option<(usize, Error)> = None;
+    let mut queued = 0;
+    for (i, (l, r)) in layers.iter_mut().enumerate() {
         // SAFETY: forwarded caller contract.
-        unsafe { l.check_entries(r.indices as u64, r.window_len, r.count, src_ids) }.map_err(|e| r.error(i, e))?;
+        match unsafe { l.check_entries(r.indices as u64, r.window_len, r.count, src_ids, stream) } {
+            Ok(()) => queued = i + 1,
+            Err(e) => {
+                first = Some((i, r.error(i, e)));
+                queued = i + 1; // collected below too: a launch that failed may leave one pending
+                break;
+            }
+        }
     }
-    Ok(())
+    for (i, (l, r)) in layers.iter_mut().enumerate().take(queued) {
+        if let Err(e) = l.entries_checked() {
+            if first.as_ref().is_none_or(|(j, _)| i < *j) {
+                first = Some((i, r.error(i, e)));
+            }
+        }
+    }
+    first.map_or(Ok(()), |(_, e)| Err(e))
 }
 
 /// The requests' swap-ins one after another on `stream`, stopping at the

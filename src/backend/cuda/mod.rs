@@ -78,6 +78,7 @@ struct Kernels {
     validate: Kernel,
     swap_in_multi: Kernel,
     gather_multi: Kernel,
+    check_entries: Kernel,
 }
 
 /// What every layer of a context shares. Field order is drop order: the
@@ -184,6 +185,7 @@ impl CudaBackend {
             validate: module.function(c"kvswap_validate")?,
             swap_in_multi: module.function(c"kvswap_swap_in_multi")?,
             gather_multi: module.function(c"kvswap_gather_multi")?,
+            check_entries: module.function(c"kvswap_check_entries")?,
         };
         // Leave room for the kernel's static shared memory.
         let swap_smem_max = (device.smem_optin - 1024).max(0) as u32;
@@ -528,6 +530,9 @@ struct CudaLayer {
     /// kernel had run: slots are mapped to chunks whose bytes were never
     /// copied, so every later swap-in is refused with this text.
     broken: Option<String>,
+    /// A kvswap_check_entries is queued whose error record
+    /// `entries_checked` has not read yet.
+    entries_pending: bool,
     sh: Arc<Shared>,
 }
 
@@ -603,6 +608,7 @@ impl CudaLayer {
             last_stream: usize::MAX,
             last_capture: None,
             broken: None,
+            entries_pending: false,
         };
         let s = layer.sh.internal.0;
         let mut d = layer.dev;
@@ -884,6 +890,36 @@ impl LayerOps for CudaLayer {
     fn check_swap_in(&self, indices: u64, window_len: u32, count: u32, src_ids: u64, stream: StreamHandle) -> Result<()> {
         let _g = self.sh.device.bind()?;
         self.checked_swap_in(indices, window_len, count, src_ids, stream).map(|_| ())
+    }
+
+    /// Queues kvswap_check_entries on `stream` (strict layers only: others
+    /// turn refused ids into -1 with a deferred error); `entries_checked`
+    /// waits for it and reads the layer's error record.
+    unsafe fn check_entries(&mut self, indices: u64, window_len: u32, count: u32, src_ids: u64, stream: StreamHandle) -> Result<()> {
+        if !self.strict || count == 0 {
+            return Ok(());
+        }
+        let _g = self.sh.device.bind()?;
+        let (s, capture) = self.checked_swap_in(indices, window_len, count, src_ids, stream)?;
+        self.order(s, stream, capture)?;
+        let (mut d, mut ids, mut cnt) = (self.dev, if src_ids != 0 { src_ids } else { indices + 4 * window_len as u64 }, count);
+        let mut params = kernel_params![d, ids, cnt];
+        let threads = count.next_multiple_of(32).min(1024);
+        // SAFETY: parameters match kvswap_check_entries(LayerDev, const i32*, u32);
+        // `count` ids there (checked_swap_in checked both ranges).
+        let launched = unsafe { self.sh.kernels.check_entries.launch(1, threads, 0, s, &mut params) };
+        // Pending also when the launch failed: `done` may cover earlier work.
+        self.entries_pending = true;
+        self.after_launch(s, capture.is_some(), launched)
+    }
+
+    fn entries_checked(&mut self) -> Result<()> {
+        if !std::mem::take(&mut self.entries_pending) {
+            return Ok(());
+        }
+        let _g = self.sh.device.bind()?;
+        self.wait()?;
+        self.take_error(self.sh.internal.0)
     }
 
     fn stats(&mut self) -> Result<KvswapLayerStats> {
