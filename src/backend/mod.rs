@@ -68,7 +68,8 @@ pub trait LayerOps: Send {
     /// host returns that error here; one that checks on the device queues
     /// the check on `stream` (after the work before it there) and returns
     /// its result from `entries_checked`, which must be called after every
-    /// `check_entries` that returned Ok.
+    /// `check_entries` call (also one that failed: its launch may have been
+    /// queued).
     ///
     /// # Safety
     /// As `swap_in`.
@@ -148,8 +149,9 @@ pub(crate) fn check_each(layers: &[(&mut Box<dyn LayerOps>, KvswapSwapIn)], src_
 }
 
 /// Every request's `check_entries`, before any layer changes: all of them
-/// queued (or done, on the host), then every queued result collected, so
-/// that a device check costs one wait for the whole call. Returns the error
+/// queued (or done, on the host), then every queued result collected (on
+/// CUDA the first collection waits for the checks, each reads its layer's
+/// error record back). Returns the error
 /// of the first request (in the requests' order) that one of them refused;
 /// every queued result is collected either way, so none is left pending.
 ///

@@ -376,8 +376,9 @@ pub extern "C" fn kvswap_swap_in_selected(
 /// entries) are checked first: an id out of range or never stored refuses
 /// the call before any layer or entry changes, with the error
 /// `kvswap_swap_in_selected` gives for it, naming the first such request
-/// (on CUDA by one small check kernel per request on `stream`, then one
-/// wait for them all). Any other failure of a request's swap-in with
+/// (on CUDA by one small check kernel per request on `stream`, whose
+/// results are read back before any swap-in runs). Any other failure of a
+/// request's swap-in with
 /// `sync = 1` (on CUDA a device error, or with `KVSWAP_VALIDATE=1` a slot
 /// that differs from its host copy) stops the call, which returns its
 /// error (naming the request and layer); the requests before it were done,

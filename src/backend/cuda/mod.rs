@@ -875,12 +875,15 @@ impl LayerOps for CudaLayer {
             Ok(())
         };
         let launched = launched.and_then(|()| self.launch_swap(indices, window_len, count, self.strict, s, capture.is_some()));
-        self.after_launch(s, capture.is_some(), launched)?;
+        let launched = self.after_launch(s, capture.is_some(), launched);
         if self.strict {
-            self.wait()?;
-            self.take_error(s)?;
+            // Waited for and read also when a launch failed: a kernel queued
+            // before it may have recorded a refusal, which a later call would
+            // otherwise report as its own. The launch's error comes first.
+            let recorded = self.wait().and_then(|()| self.take_error(s));
+            return launched.and(recorded);
         }
-        Ok(())
+        launched
     }
 
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
@@ -914,11 +917,12 @@ impl LayerOps for CudaLayer {
     }
 
     fn entries_checked(&mut self) -> Result<()> {
-        if !std::mem::take(&mut self.entries_pending) {
+        if !self.entries_pending {
             return Ok(());
         }
         let _g = self.sh.device.bind()?;
-        self.wait()?;
+        self.wait()?; // still pending if the wait fails: the next call collects it
+        self.entries_pending = false;
         self.take_error(self.sh.internal.0)
     }
 
