@@ -1021,3 +1021,76 @@ fn swap_in_layers_mixed_layers_match_cpu() {
         }
     }
 }
+
+/// `kvswap_swap_in_layers` with KVSWAP_SYNC=1 over more entries than a
+/// block has threads (2,048 per request: the id check's loop runs twice per
+/// thread), on a swapping layer and a fully resident one: a never-stored id
+/// near the end of the second request's entries, or an out-of-range one in
+/// the first's, refuses the call before any layer or entry changes, with
+/// the CPU backend's error (its position); the same call without it then
+/// equals the CPU's.
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn swap_in_layers_sync_checks_every_id_of_long_requests() {
+    use kvswap::KvswapSwapIn;
+    let slots = 2048u32;
+    let specs = [spec(4096, 64), spec(1800, 64)]; // layer 1: compressed_cap <= gpu_chunks, fully resident
+    let (_dev, _g, [stream]) = gpu0();
+    let s = stream.0;
+    let mut rng = Rng::fresh("gpu sync long requests");
+    let (cpu, gpu) = twins(&mut rng, &specs, slots, true, |l| specs[l].compressed_cap as u32 - 1);
+    let idx = index_buffers(2, slots as usize);
+    let counts = [2048u32, 1700];
+    // The CUDA call's result, the CPU's, the CUDA entries after it, the CPU's.
+    type Outcome = (kvswap::Result<()>, kvswap::Result<()>, Vec<Vec<i32>>, Vec<Vec<i32>>);
+    let run = |sel: &[Vec<i32>]| -> Outcome {
+        let mut host = sel.to_vec();
+        let reqs_cpu: Vec<KvswapSwapIn> = host
+            .iter_mut()
+            .enumerate()
+            .map(|(l, e)| KvswapSwapIn { layer: l as u32, window_len: 0, count: counts[l], reserved: 0, indices: e.as_mut_ptr() })
+            .collect();
+        // SAFETY: host buffers of count ints each.
+        let want = unsafe { cpu.swap_in_layers_raw(&reqs_cpu, 0, 0) };
+        for (l, e) in sel.iter().enumerate() {
+            unsafe { driver::copy_htod_async(idx[l].ptr, e.as_ptr() as *const u8, 4 * e.len(), s).unwrap() };
+        }
+        let reqs: Vec<KvswapSwapIn> =
+            (0..2).map(|l| KvswapSwapIn { layer: l as u32, window_len: 0, count: counts[l], reserved: 0, indices: idx[l].ptr as *mut i32 }).collect();
+        let got = unsafe { gpu.swap_in_layers_raw(&reqs, 0, s as u64) };
+        let read: Vec<Vec<i32>> = (0..2)
+            .map(|l| {
+                let mut v = vec![0i32; counts[l] as usize];
+                unsafe { driver::copy_dtoh_async(v.as_mut_ptr() as *mut u8, idx[l].ptr, 4 * v.len(), s).unwrap() };
+                stream.sync().unwrap();
+                v
+            })
+            .collect();
+        (got, want, read, host)
+    };
+    let good: Vec<Vec<i32>> =
+        (0..2).map(|l| (0..counts[l]).map(|_| rng.below(specs[l].compressed_cap - 1) as i32).collect()).collect();
+    let before: Vec<_> = (0..2).map(|l| (gpu.stats(l).unwrap(), gpu.residency(l).unwrap())).collect();
+    for (l, pos, id, status) in [(1usize, 1650usize, 1799i32, kvswap::KvswapStatus::NotStored), (0, 1900, 4096 + 5, kvswap::KvswapStatus::OutOfRange)] {
+        let mut bad = good.clone();
+        bad[l][pos] = id;
+        let (got, want, read, host) = run(&bad);
+        let (g, w) = (got.unwrap_err(), want.unwrap_err());
+        assert_eq!((g.status, &g.message), (w.status, &w.message), "layer {l}: the CPU backend's error");
+        assert_eq!(g.status, status, "{g}");
+        assert!(g.message.starts_with(&format!("requests[{l}] (layer {l}):")) && g.message.contains(&pos.to_string()), "{g}");
+        assert_eq!(read, bad, "layer {l}: no entries changed");
+        assert_eq!(host, bad, "the CPU's entries unchanged too");
+        for (k, b) in before.iter().enumerate() {
+            assert_eq!(&(gpu.stats(k).unwrap(), gpu.residency(k).unwrap()), b, "layer {k} unchanged after the refusal at layer {l}");
+        }
+    }
+    let (got, want, read, host) = run(&good);
+    got.unwrap();
+    want.unwrap();
+    assert_eq!(read, host, "physical ids equal the CPU's");
+    for l in 0..2 {
+        assert_eq!(cpu.stats(l).unwrap(), gpu.stats(l).unwrap(), "layer {l}: stats");
+    }
+    gpu.sync_stream(s as u64).unwrap();
+}
