@@ -337,6 +337,80 @@ fn library_writer_round_trip_keeps_raw_bytes() {
     }
 }
 
+/// Random corruptions of a valid checkpoint (bytes changed in its length
+/// field, header and data; cut short; bytes inserted into the header): each
+/// load either succeeds or fails with BAD_CHECKPOINT and a message naming
+/// the file, never panics or aborts, and leaves the handle NULL on failure.
+/// A load that succeeds gives the checkpoint's shape and a scorer that
+/// scores (data bytes changed into finite weights are still a checkpoint;
+/// one made huge may overflow a projection, which the call reports).
+#[test]
+fn corrupted_checkpoints_load_or_are_refused() {
+    let mut rng = Rng::fresh("corrupted_checkpoints");
+    let dir = scratch("corrupt");
+    let good = Model::random(&mut rng, 2, 8, 2, 4);
+    let meta = meta_fields("2", "8", "2", "4");
+    let full = st_file(&meta, &good.tensors());
+    let header_end = 8 + u64::from_le_bytes(full[..8].try_into().unwrap()) as usize;
+    let path = dir.join("c.safetensors");
+    let hidden: Vec<f32> = (0..2 * 8).map(|i| 0.125 * i as f32 - 1.0).collect(); // n_scorers x hidden
+    let keys: Vec<f32> = (0..5 * 4).map(|i| (i % 7) as f32 * 0.5 - 1.5).collect();
+    let (mut loaded, mut refused) = (0, 0);
+    for round in 0..common::scaled(400) {
+        let mut bytes = full.clone();
+        let what = match rng.below(5) {
+            0 => {
+                let i = rng.below(8) as usize; // the header length field
+                bytes[i] ^= 1 << rng.below(8);
+                "length field"
+            }
+            1 => {
+                for _ in 0..1 + rng.below(3) {
+                    let i = 8 + rng.below((header_end - 8) as u64) as usize;
+                    bytes[i] = rng.below(256) as u8;
+                }
+                "header bytes"
+            }
+            2 => {
+                let i = header_end + rng.below((full.len() - header_end) as u64) as usize;
+                bytes[i] = rng.below(256) as u8;
+                "data byte"
+            }
+            3 => {
+                bytes.truncate(rng.below(full.len() as u64) as usize);
+                "cut short"
+            }
+            _ => {
+                let i = 8 + rng.below((header_end - 8) as u64) as usize;
+                let extra: Vec<u8> = (0..1 + rng.below(4)).map(|_| b" {}[],:\"0123456789eE-+.\\x"[rng.below(22) as usize]).collect();
+                bytes.splice(i..i, extra);
+                "bytes inserted into the header"
+            }
+        };
+        std::fs::write(&path, &bytes).unwrap();
+        match load(&path, -1) {
+            Ok(fm) => {
+                loaded += 1;
+                let info = fm.info();
+                assert_eq!((info.n_scorers, info.hidden, info.n_heads, info.head_dim), (2, 8, 2, 4), "round {round} ({what}): shape");
+                // A changed data byte can make a weight huge but finite:
+                // a projection may then overflow, which the call reports.
+                if let Err((s, msg)) = fm.topk(&hidden, &f32_keys(&keys), 5, 3) {
+                    assert_ne!(s, KvswapStatus::Panic, "round {round} ({what}): {msg}");
+                    assert!(what == "data byte" && !msg.is_empty(), "round {round} ({what}): a loaded scorer fails to score: {s:?} {msg}");
+                }
+            }
+            Err((s, msg)) => {
+                refused += 1;
+                assert_eq!(s, KvswapStatus::BadCheckpoint, "round {round} ({what}): {msg}");
+                assert!(msg.starts_with("fm_scorer_load: checkpoint ") && msg.contains(path.to_str().unwrap()), "round {round} ({what}): {msg}");
+            }
+        }
+    }
+    eprintln!("corrupted checkpoints: {loaded} loaded, {refused} refused");
+    assert!(refused > 0, "no corruption was refused");
+}
+
 /// Every malformed checkpoint: the status and the words of the message.
 #[test]
 fn bad_checkpoints_are_named() {
