@@ -531,17 +531,26 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
     const WgTiles T = wg_tiles_of<G>(n, g);
     const u32 step = T.step, first = T.first, my_tiles = T.mine, next = T.next, next_turns = T.next_turns;
     __shared__ __align__(8) u64 sh_full[TMA ? G : 1][WG_STAGES];  // TMA: each slot's mbarrier
+    // This warpgroup's tile t (its rows and their scales) into ring slot
+    // t % WG_STAGES: by TMA (one thread, onto the slot's mbarrier) or by
+    // cp.async (every thread); nothing for t past its tiles.
+    auto issue = [&](u32 t) {
+        const u32 c0 = (first + t * step) * WG_ROWS, slot = t % WG_STAGES;
+        if constexpr (TMA) {
+            if (t0 == 0) wg8_tma_issue(maps, c0, t < my_tiles, ring + slot * WG_RAW_BYTES, sc_ring + slot * WG_ROWS, &sh_full[g][slot]);
+        } else {
+            wg8_issue(keys, S.scales, stride, n, t0, c0, t < my_tiles, ring + slot * WG_RAW_BYTES, sc_ring + slot * WG_ROWS);
+        }
+    };
     // Tile 0 before waiting for the projection (keys are inputs of the
     // call, q and w its outputs), tile 1 once Q is quantized.
     if constexpr (TMA) {
         if (t0 == 0) {
             for (u32 i = 0; i < WG_STAGES; ++i) mbar_init(&sh_full[g][i], 1);
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // the inits, before the copies complete on them
-            wg8_tma_issue(maps, first * WG_ROWS, my_tiles > 0, ring, sc_ring, &sh_full[g][0]);
         }
-    } else {
-        wg8_issue(keys, S.scales, stride, n, t0, first * WG_ROWS, my_tiles > 0, ring, sc_ring);
     }
+    issue(0);
     wait_prerequisites();
     CT_MIN(0);  // past the wait: a call's stamps come after the last call's fm_order reset them
     CT_MAX(1);
@@ -641,13 +650,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
             sh_w[wq_at(i)] = wi;
         }
     }
-    for (u32 i = 1; i < WG_STAGES - 1; ++i) {
-        if constexpr (TMA) {
-            if (t0 == 0) wg8_tma_issue(maps, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * WG_RAW_BYTES, sc_ring + i * WG_ROWS, &sh_full[g][i]);
-        } else {
-            wg8_issue(keys, S.scales, stride, n, t0, (first + i * step) * WG_ROWS, i < my_tiles, ring + i * WG_RAW_BYTES, sc_ring + i * WG_ROWS);
-        }
-    }
+    for (u32 i = 1; i < WG_STAGES - 1; ++i) issue(i);
     fence_async_smem();  // Q (generic stores) -> tensor-core reads
     __syncthreads();
 #ifdef FM_Q8_TC
@@ -720,15 +723,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
         if (i < next_turns) turn_pass(ORDER_BAR + next);
         // The refill of the slot tile i - 1 used (every warp is past this
         // tile's barrier, so done with it) while this tile's MMAs run.
-        const u32 ahead = i + WG_STAGES - 1;
-        if constexpr (TMA) {
-            if (t0 == 0)
-                wg8_tma_issue(maps, (first + ahead * step) * WG_ROWS, ahead < my_tiles, ring + (ahead % WG_STAGES) * WG_RAW_BYTES,
-                              sc_ring + (ahead % WG_STAGES) * WG_ROWS, &sh_full[g][ahead % WG_STAGES]);
-        } else {
-            wg8_issue(keys, S.scales, stride, n, t0, (first + ahead * step) * WG_ROWS, ahead < my_tiles, ring + (ahead % WG_STAGES) * WG_RAW_BYTES,
-                      sc_ring + (ahead % WG_STAGES) * WG_ROWS);
-        }
+        issue(i + WG_STAGES - 1);
         TR(6);
         wgmma_wait0();
         TR(7);

@@ -117,10 +117,9 @@ impl LayerOps for CpuLayer {
         if !self.strict {
             return Ok(()); // refused ids become -1 with a deferred error: nothing fails
         }
-        let from = if src_ids != 0 { src_ids } else { indices + 4 * window_len as u64 };
         // SAFETY: the caller guarantees `count` int32 values there (the
         // shared top-k, or the entries after the window).
-        let ids = unsafe { std::slice::from_raw_parts(from as *const i32, count as usize) };
+        let ids = unsafe { std::slice::from_raw_parts(super::ids_addr(indices, window_len, src_ids) as *const i32, count as usize) };
         for (pos, &id) in ids.iter().enumerate().filter(|(_, &id)| id != -1) {
             self.residency.check(pos, id).map_err(|e| self.plan.entry_error(e))?;
         }

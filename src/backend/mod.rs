@@ -72,7 +72,8 @@ pub trait LayerOps: Send {
     /// queued).
     ///
     /// # Safety
-    /// As `swap_in`.
+    /// As `swap_in`, and `check_swap_in` has accepted the same arguments
+    /// (`check_entries_each` runs after `check_each`).
     unsafe fn check_entries(&mut self, _indices: u64, _window_len: u32, _count: u32, _src_ids: u64, _stream: StreamHandle) -> Result<()> {
         Ok(())
     }
@@ -137,6 +138,16 @@ pub trait Backend: Send + Sync {
         check_each(layers, src_ids, stream)?;
         // SAFETY: forwarded caller contract.
         unsafe { swap_in_each(layers, src_ids, stream) }
+    }
+}
+
+/// Where a swap-in reads its ids: the shared top-k `src_ids` when not 0,
+/// else the entries after the window.
+pub(crate) fn ids_addr(indices: u64, window_len: u32, src_ids: u64) -> u64 {
+    if src_ids != 0 {
+        src_ids
+    } else {
+        indices + 4 * window_len as u64
     }
 }
 

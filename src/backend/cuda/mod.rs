@@ -903,13 +903,15 @@ impl LayerOps for CudaLayer {
             return Ok(());
         }
         let _g = self.sh.device.bind()?;
-        let (s, capture) = self.checked_swap_in(indices, window_len, count, src_ids, stream)?;
+        // The buffers, the stream and the capture rule were checked by
+        // check_swap_in (the caller's contract); only the stream is needed.
+        let (s, capture) = self.stream(stream)?;
         self.order(s, stream, capture)?;
-        let (mut d, mut ids, mut cnt) = (self.dev, if src_ids != 0 { src_ids } else { indices + 4 * window_len as u64 }, count);
+        let (mut d, mut ids, mut cnt) = (self.dev, crate::backend::ids_addr(indices, window_len, src_ids), count);
         let mut params = kernel_params![d, ids, cnt];
         let threads = count.next_multiple_of(32).min(1024);
         // SAFETY: parameters match kvswap_check_entries(LayerDev, const i32*, u32);
-        // `count` ids there (checked_swap_in checked both ranges).
+        // `count` ids there (check_swap_in checked both ranges).
         let launched = unsafe { self.sh.kernels.check_entries.launch(1, threads, 0, s, &mut params) };
         // Pending also when the launch failed: `done` may cover earlier work.
         self.entries_pending = true;

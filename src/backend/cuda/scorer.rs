@@ -97,13 +97,13 @@ struct ScoreSeq {
 /// Whether fm_score_wg_fp8q_tma has been launched (its first launch is logged).
 static TMA_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// What a `TmaMaps` describes: keys, scales, chunks, row stride.
+type TmaKey = (u64, u64, usize, u32);
+
 /// fm_score_wg_fp8q_tma's tensor maps (kernels/scorer/score_wgmma_fp8.cu
 /// TmaMaps): the keys (128-byte rows of `head_dim` fp8 codes, `stride`
 /// apart, boxes of 64 rows with the 128-byte swizzle) and their f32 scales
 /// (boxes of 64), for one sequence.
-/// What a `TmaMaps` describes: keys, scales, chunks, row stride.
-type TmaKey = (u64, u64, usize, u32);
-
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct TmaMaps {
@@ -743,6 +743,23 @@ impl CudaScorer {
         Ok(stride32)
     }
 
+    /// The TMA kernel's tensor maps for `seq` (fp8 keys, rows `stride`
+    /// apart): the workspace's last ones while they describe the same keys,
+    /// scales, chunks and stride, else encoded on the host (no device work)
+    /// and kept. None sends the call to the cp.async ring: scales not
+    /// 16-byte aligned, or maps the driver refuses (logged).
+    fn tma_maps(&self, ws: &Workspace, seq: &SeqRef, stride: u32) -> Option<TmaMaps> {
+        let key = (seq.keys.data, seq.keys.scales, seq.n_chunks, stride);
+        match ws.tma_maps.get() {
+            Some((k, m)) if k == key => Some(m),
+            _ if seq.keys.scales.is_multiple_of(16) => TmaMaps::new(key.0, key.1, key.2, key.3, self.head_dim)
+                .inspect(|m| ws.tma_maps.set(Some((key, *m))))
+                .inspect_err(|e| log::warn!("kvswap: fm_score_wg_fp8q_tma: {}: this call uses the cp.async ring", e.message))
+                .ok(),
+            _ => None,
+        }
+    }
+
     /// Scores a batch whose q and w are either projected from `hidden` (the
     /// ABI) or given (`qw`: per sequence the bf16 q and f32 w, for the
     /// benchmark's "score" scope). Every sequence is checked before anything
@@ -896,41 +913,29 @@ impl CudaScorer {
                 // The TMA path: one sequence, keys, stride and scales 16-byte
                 // aligned (the tensor maps' rule; keys and stride are checked
                 // above).
-                if let (Some((tma, smem, threads)), true, [only]) = (&self.score_fp8q_tma, fp8q && dtype == KeyDtype::Fp8E4m3, group.as_slice()) {
-                    let q = &seqs[*only];
-                    // The maps are encoded on the host (no device work): one
-                    // the driver refuses sends the call to the ring instead.
-                    let key = (q.keys.data, q.keys.scales, q.n_chunks, strides[*only]);
-                    let maps = match ws.tma_maps.get() {
-                        Some((k, m)) if k == key => Some(m),
-                        _ if q.keys.scales.is_multiple_of(16) => TmaMaps::new(key.0, key.1, key.2, key.3, self.head_dim)
-                            .inspect(|m| ws.tma_maps.set(Some((key, *m))))
-                            .inspect_err(|e| log::warn!("kvswap: fm_score_wg_fp8q_tma: {}: this call uses the cp.async ring", e.message))
-                            .ok(),
-                        _ => None,
-                    };
-                    if let Some(mut maps) = maps {
-                        let mut params = kernel_params![sb, err, maps];
-                        // SAFETY: parameters match fm_score_wg_fp8q_tma(ScoreBatch,
-                        // u32*, const __grid_constant__ TmaMaps); the maps
-                        // describe the checked key and scale buffers.
-                        unsafe { self.launch.dependent(tma, (per_seq, 1), *threads, *smem, s, &mut params)? };
-                        if !TMA_SEEN.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                            log::info!("kvswap: fm_score_wg_fp8q_tma launched (the TMA load path is in use)");
-                        }
-                        let sel_blocks = (group_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
-                        self.select.launch(&self.launch, sel, sel_blocks, err, s)?;
-                        continue;
-                    }
-                }
-                let mut params = kernel_params![sb, err];
-                // SAFETY: parameters match fm_score(ScoreBatch, u32*); keys checked above.
-                let (kernel, smem) = match (dtype, &self.score_bf16, &self.score_fp8, &self.score_fp8q) {
-                    (KeyDtype::Fp8E4m3, _, _, Some((k, smem))) if fp8q => (k, *smem),
-                    (KeyDtype::Bf16, Some(k), _, _) | (KeyDtype::Fp8E4m3, _, Some(k), _) => (k, self.score_smem),
-                    _ => (&self.score, self.score_smem),
+                let tma = match (&self.score_fp8q_tma, fp8q && dtype == KeyDtype::Fp8E4m3, group.as_slice()) {
+                    (Some(t), true, &[only]) => self.tma_maps(ws, &seqs[only], strides[only]).map(|maps| (t, maps)),
+                    _ => None,
                 };
-                unsafe { self.launch.dependent(kernel, (per_seq, b as u32), self.score_threads, smem, s, &mut params)? };
+                if let Some((&(tma, smem, threads), mut maps)) = tma {
+                    let mut params = kernel_params![sb, err, maps];
+                    // SAFETY: parameters match fm_score_wg_fp8q_tma(ScoreBatch,
+                    // u32*, const __grid_constant__ TmaMaps); the maps
+                    // describe the checked key and scale buffers.
+                    unsafe { self.launch.dependent(&tma, (per_seq, 1), threads, smem, s, &mut params)? };
+                    if !TMA_SEEN.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                        log::info!("kvswap: fm_score_wg_fp8q_tma launched (the TMA load path is in use)");
+                    }
+                } else {
+                    let mut params = kernel_params![sb, err];
+                    // SAFETY: parameters match fm_score(ScoreBatch, u32*); keys checked above.
+                    let (kernel, smem) = match (dtype, &self.score_bf16, &self.score_fp8, &self.score_fp8q) {
+                        (KeyDtype::Fp8E4m3, _, _, Some((k, smem))) if fp8q => (k, *smem),
+                        (KeyDtype::Bf16, Some(k), _, _) | (KeyDtype::Fp8E4m3, _, Some(k), _) => (k, self.score_smem),
+                        _ => (&self.score, self.score_smem),
+                    };
+                    unsafe { self.launch.dependent(kernel, (per_seq, b as u32), self.score_threads, smem, s, &mut params)? };
+                }
                 let sel_blocks = (group_chunks as u32).div_ceil(SEL_THREADS * SEL_ITEMS);
                 self.select.launch(&self.launch, sel, sel_blocks, err, s)?;
             }
