@@ -2937,6 +2937,16 @@ static void test_fm_scoring(const char *ckpt) {
     group_done("KVSWAP_FM_ENSEMBLE: a bad value refused by fm_scorer_load, the alias's `Mean` overrides the "
                "checkpoint's max, a blank value keeps it");
 
+    /* KVSWAP_MEM_PROFILE (or its alias), read by fm_scorer_load: a bad
+     * value is refused naming it (out untouched) on every backend. */
+    CHECK(setenv("KVSWAP_MEM_PROFILE", "maybe", 1) == 0);
+    fm_load_refused(ckpt, -1, KVSWAP_STATUS_INVALID_ARGUMENT, "KVSWAP_MEM_PROFILE");
+    CHECK(unsetenv("KVSWAP_MEM_PROFILE") == 0);
+    CHECK(setenv("POCKETLLM_GGUF_MEM_PROFILE", "maybe", 1) == 0);
+    fm_load_refused(ckpt, dm_is_cuda() ? 0 : -1, KVSWAP_STATUS_INVALID_ARGUMENT, "POCKETLLM_GGUF_MEM_PROFILE");
+    CHECK(unsetenv("POCKETLLM_GGUF_MEM_PROFILE") == 0);
+    group_done("KVSWAP_MEM_PROFILE: a bad value (or the alias's) refused by fm_scorer_load");
+
     /* Random inputs against the reference, every key type, both ensembles. */
     int32_t out[FM_MAX_TOPK], out2[FM_MAX_TOPK];
     float *hidden = random_hidden(hn);

@@ -982,15 +982,64 @@ fn cuda_bounds_scorer_matches_reference() {
         unsafe { kvswap::scorer::bounds_topk(0, &b, k, d.stream.0 as u64).unwrap() };
         let got = d.download_i32(&out, k as usize);
         let scores = kvswap::scorer::bounds::scores(&q, &lo, &hi).unwrap();
-        // f32 sums of dim products, in another order: |error| <= dim * 2^-23 * sum |terms|.
-        let tol: Vec<f64> = (0..n)
-            .map(|c| {
-                let t: f64 = (0..dim).map(|j| (q[j] as f64 * lo[c * dim + j] as f64).abs().max((q[j] as f64 * hi[c * dim + j] as f64).abs())).sum();
-                dim as f64 * f32::EPSILON as f64 * t + 1e-30
-            })
-            .collect();
-        check_topk(&got, &scores, &tol, k as usize, &format!("bounds dim={dim} n={n} k={k}"));
+        check_topk(&got, &scores, &bounds_tolerance(&q, &lo, &hi), k as usize, &format!("bounds dim={dim} n={n} k={k}"));
     }
+}
+
+/// The bounds scores' tolerance per chunk: f32 sums of `dim` products in
+/// another order, |error| <= dim * 2^-23 * sum |terms|.
+fn bounds_tolerance(q: &[f32], lo: &[f32], hi: &[f32]) -> Vec<f64> {
+    let dim = q.len();
+    (0..lo.len() / dim)
+        .map(|c| {
+            let t: f64 = (0..dim).map(|j| (q[j] as f64 * lo[c * dim + j] as f64).abs().max((q[j] as f64 * hi[c * dim + j] as f64).abs())).sum();
+            dim as f64 * f32::EPSILON as f64 * t + 1e-30
+        })
+        .collect()
+}
+
+/// fm_bounds_topk reads KVSWAP_SYNC on every call, and calls of both
+/// settings share the device's error records: an error a KVSWAP_SYNC=0
+/// call left on a stream makes the next KVSWAP_SYNC=1 call there write -1
+/// and return it (once); the call after that is good, and nothing is left
+/// for `bounds_sync`.
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_bounds_error_reaches_calls_of_either_sync_setting() {
+    let mut rng = Rng::fresh("bounds sync settings");
+    let d = Dev::new();
+    let (dim, n, k) = (64usize, 3000usize, 16u32);
+    let q: Vec<f32> = (0..dim).map(|_| gauss(&mut rng)).collect();
+    let lo: Vec<f32> = (0..n * dim).map(|_| gauss(&mut rng)).collect();
+    let hi: Vec<f32> = lo.iter().map(|v| v + (rng.below(1000) as f32) / 500.0).collect();
+    let mut bad = lo.clone();
+    bad[5 * dim + 7] = hi[5 * dim + 7] + 1.0; // chunk 5: a minimum above its maximum
+    let (qb, lb, hb, badb) = (d.upload(&f32_bytes(&q)), d.upload(&f32_bytes(&lo)), d.upload(&f32_bytes(&hi)), d.upload(&f32_bytes(&bad)));
+    let out = d.upload(&vec![0x22u8; 4 * k as usize]);
+    let st = d.stream.0 as u64;
+    let call = |min: u64| {
+        let b = kvswap::scorer::BoundsRef { query: qb.ptr, min, max: hb.ptr, dim, n_chunks: n, out: out.ptr };
+        unsafe { kvswap::scorer::bounds_topk(0, &b, k, st) }
+    };
+    let saved = std::env::var_os("KVSWAP_SYNC");
+    std::env::set_var("KVSWAP_SYNC", "0");
+    call(badb.ptr).expect("KVSWAP_SYNC=0: the call does not wait");
+    std::env::set_var("KVSWAP_SYNC", "1");
+    let e = call(lb.ptr).expect_err("KVSWAP_SYNC=1 returns the pending error");
+    let got_after_error = d.download_i32(&out, k as usize);
+    call(lb.ptr).expect("the error was returned once");
+    let got = d.download_i32(&out, k as usize);
+    let sync_after = kvswap::scorer::bounds_sync(0, st);
+    match saved {
+        Some(v) => std::env::set_var("KVSWAP_SYNC", v),
+        None => std::env::remove_var("KVSWAP_SYNC"),
+    }
+    assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
+    assert!(e.message.contains("chunk 5"), "{e}");
+    assert!(got_after_error.iter().all(|&x| x == -1), "a call before the error is returned writes -1: {got_after_error:?}");
+    sync_after.expect("nothing left for bounds_sync");
+    let scores = kvswap::scorer::bounds::scores(&q, &lo, &hi).unwrap();
+    check_topk(&got, &scores, &bounds_tolerance(&q, &lo, &hi), k as usize, "bounds after the returned error");
 }
 
 /// Device-found errors of a batch name the sequence (its index in the call,

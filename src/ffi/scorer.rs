@@ -139,8 +139,9 @@ fn path_arg(path: *const c_char) -> Result<PathBuf> {
 /// before the data is read), the message naming the field or tensor, what
 /// was expected and what was found; `KVSWAP_STATUS_NULL_POINTER` for a NULL
 /// `path` or `out`; `KVSWAP_STATUS_INVALID_ARGUMENT` for an empty path,
-/// `device < -1`, a misaligned `out`, a bad `KVSWAP_FM_QUERY` or
-/// `KVSWAP_FM_ENSEMBLE`, or (CUDA) a bad `KVSWAP_SYNC`;
+/// `device < -1`, a misaligned `out`, a bad `KVSWAP_FM_QUERY`,
+/// `KVSWAP_FM_ENSEMBLE` or `KVSWAP_MEM_PROFILE` (or their aliases), or
+/// (CUDA) a bad `KVSWAP_SYNC`;
 /// `KVSWAP_STATUS_NO_DEVICE` for `device >= 0` without that CUDA device or
 /// driver (or in a build without CUDA); `KVSWAP_STATUS_UNSUPPORTED` for a
 /// shape the CUDA kernels do not cover, a driver older than CUDA 12.3, or
@@ -312,8 +313,9 @@ pub extern "C" fn fm_scorer_set_query(scorer: *mut FmScorer, query: KvswapFmQuer
 /// ids (the -1 padding stays -1).
 ///
 /// On the CPU backend every pointer is a host pointer and `stream` is
-/// ignored; on CUDA they are device pointers and the work is ordered on
-/// `stream`. The first call on a stream, and a call with more chunks than
+/// ignored; on CUDA `hidden`, `keys->data`, `keys->scales` and
+/// `out_indices` are device pointers (`keys` itself is host memory) and the
+/// work is ordered on `stream`. The first call on a stream, and a call with more chunks than
 /// any before on it, allocates the stream's workspace: make that call
 /// before capturing the stream, and not while another thread captures in
 /// `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then): warm up
@@ -441,7 +443,10 @@ pub extern "C" fn fm_score_topk_batch(
 /// gets a workspace (about 12 bytes per chunk of its largest call) for the
 /// life of the process; it is allocated or grown by a call, not while the
 /// stream is captured: warm up with the largest `n_chunks` first. On CUDA
-/// each call reads `KVSWAP_SYNC` from the environment.
+/// each call reads `KVSWAP_SYNC` from the environment; calls with either
+/// value share the device's error records, so an error a `KVSWAP_SYNC=0`
+/// call left on a stream makes the later calls there write -1 until it is
+/// returned, by `fm_bounds_sync` or by the next `KVSWAP_SYNC=1` call.
 /// Errors: as `fm_score_topk` (NULL pointers, sizes, values, and on CUDA
 /// memory, streams, capture and devices), plus `KVSWAP_STATUS_INVALID_ARGUMENT`
 /// for `device < -1`, a `dim` outside its range or (CUDA) a bad

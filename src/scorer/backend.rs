@@ -24,8 +24,9 @@
 //! - A NaN or infinite value in the hidden input, keys, scales, query or
 //!   bounds is `KVSWAP_STATUS_INVALID_ARGUMENT`, never a result (a device
 //!   kernel can raise a flag that the call reads back).
-//! - A batch reads the weights once for all sequences: on CUDA the
-//!   projections of B hidden states are one GEMM over `[B, hidden]`.
+//! - A batch reads the weights once per launch group, not per sequence: on
+//!   CUDA the projections of up to 64 hidden states of one key dtype are
+//!   one launch over `[B, hidden]`.
 //! - The work is ordered on `stream` (ignored on the CPU).
 
 use super::checkpoint::Checkpoint;
@@ -189,8 +190,9 @@ pub fn cuda_scorer(ckpt: Arc<Checkpoint>, device: i32, sync: Option<bool>) -> Re
 /// The CUDA bounds scorer of `device` (one per device and process).
 #[cfg(feature = "cuda")]
 pub fn cuda_bounds(device: i32) -> Result<Box<dyn BoundsBackend>> {
-    let b = crate::backend::cuda::scorer::CudaBounds::get(device, sync_setting()?)?;
-    Ok(Box::new(crate::backend::cuda::scorer::CudaBoundsHandle(b)))
+    let sync = sync_setting()?;
+    let b = crate::backend::cuda::scorer::CudaBounds::get(device)?;
+    Ok(Box::new(crate::backend::cuda::scorer::CudaBoundsHandle(b, sync)))
 }
 
 /// Without the `cuda` feature a device ordinal is `KVSWAP_STATUS_NO_DEVICE`.

@@ -201,7 +201,11 @@ impl Scorer {
     }
 
     /// A batch of sequences in one call: all are checked before any is
-    /// scored; outputs are written only when every sequence succeeded.
+    /// scored. On the CPU, outputs are written only when every sequence
+    /// succeeded; on CUDA, values are checked on the device, and the group
+    /// that finds a non-finite value (launch groups of up to 64 sequences
+    /// of one key dtype) and the later groups write -1 while earlier groups
+    /// keep their results (as `fm_score_topk_batch` states).
     ///
     /// # Safety
     /// As for `score_topk`, for every sequence; output ranges must not overlap.

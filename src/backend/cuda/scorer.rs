@@ -3,10 +3,12 @@
 //! launch whose blocks for 8 sequences at a time read each weight row
 //! together),
 //! tensor-core scoring with the ensemble fused in, and an exact top-k (filed
-//! by fm_select, ranked by fm_order). Four launches per call, chained by
-//! programmatic dependent launch on Hopper; no host synchronisation unless
-//! `sync` is set, so a decode step can be captured in a CUDA graph (scorer ->
-//! swap-in -> attention).
+//! by fm_select, ranked by fm_order). Four or five launches per launch group
+//! (up to 64 sequences of one key dtype), chained by programmatic dependent
+//! launch on Hopper. No host synchronisation unless `sync` is set, except
+//! when a stream's workspace is made or grown and after a failed launch (both
+//! refused or skipped while the stream is captured), so a decode step can be
+//! captured in a CUDA graph (scorer -> swap-in -> attention).
 //!
 //! Errors found on the device (non-finite hidden values, non-finite scores)
 //! turn the output into -1 padding and are recorded; with `sync` the call
@@ -172,9 +174,11 @@ fn workspace_key(s: CUstream) -> u64 {
     (1 << 63) | ID.with(|id| *id)
 }
 
-/// Per-stream scratch: a stream orders its own calls, so calls on different
-/// streams never share buffers. The per-chunk buffers (`skey`, `tie`) hold
-/// the chunks of one launch group back to back: `chunks` is their total.
+/// Per-stream scratch: a stream orders its own calls, so eager calls on
+/// different streams never share buffers (a graph uses the workspace of the
+/// stream it was captured on, wherever it is launched: the header states
+/// the condition). The per-chunk buffers (`skey`, `tie`) hold the chunks of
+/// one launch group back to back: `chunks` is their total.
 struct Workspace {
     seqs: usize,
     chunks: usize,
@@ -313,9 +317,20 @@ fn check_device_ptr(device: &Device, ptr: u64, bytes: u64, what: &str) -> Result
 /// (calls on other streams take their own).
 type Slot = Arc<Mutex<Option<Workspace>>>;
 
+/// The shape (sequences, chunks) a workspace of shape `old` grows to for a
+/// call of `seqs` sequences and `chunks` chunks in all, both rounded up to a
+/// power of two (sequences up to MAX_BATCH, a launch group's most): a batch
+/// that grows one sequence at a time regrows log2(64) + 1 times at most, not
+/// 64 times.
+fn grown_shape(old: Option<(usize, usize)>, seqs: usize, chunks: usize) -> (usize, usize) {
+    let (old_s, old_c) = old.unwrap_or((0, 0));
+    (seqs.max(old_s).next_power_of_two().min(MAX_BATCH.max(seqs)), chunks.max(old_c).next_power_of_two())
+}
+
 /// The workspaces of a scorer, one per stream, and the ones replaced by
-/// larger ones, kept until the scorer is freed: a CUDA graph captured before
-/// the growth still addresses them (and their error records).
+/// larger ones that a call was captured into, kept until the scorer is
+/// freed: a CUDA graph captured before the growth still addresses them (and
+/// their error records). Replaced workspaces without a capture are freed.
 #[derive(Default)]
 struct Workspaces {
     slots: Mutex<HashMap<u64, Slot>>,
@@ -352,8 +367,8 @@ impl Workspaces {
                      and cannot grow while the stream is captured: run the call once before capturing"
                 )));
             }
-            let (old_s, old_c) = ws.as_ref().map(|w| (w.seqs, w.chunks)).unwrap_or((0, 0));
-            let new = Workspace::new(seqs.max(old_s), chunks.max(old_c).next_power_of_two(), q_elems, w_elems)?;
+            let (new_s, new_c) = grown_shape(ws.as_ref().map(|w| (w.seqs, w.chunks)), seqs, chunks);
+            let new = Workspace::new(new_s, new_c, q_elems, w_elems)?;
             new.clear(s)?;
             if let Some(old) = ws.as_ref() {
                 // The pending error moves to the new record (one record holds
@@ -368,7 +383,10 @@ impl Workspaces {
                 driver::stream_sync(s)?;
                 new.captured.store(old.captured.load(Ordering::Relaxed), Ordering::Relaxed);
             }
-            if let Some(old) = ws.replace(new) {
+            // A workspace no call was captured into is freed at once: this
+            // stream's calls are done with it (waited for above) and no
+            // graph addresses it. A captured one stays for the graphs.
+            if let Some(old) = ws.replace(new).filter(|old| old.captured.load(Ordering::Relaxed)) {
                 self.retired.lock().unwrap_or_else(|p| p.into_inner()).push((workspace_key(s), old));
             }
         } else if capturing {
@@ -772,6 +790,16 @@ impl CudaScorer {
         if self.sync && capturing {
             return Err(Error::invalid("KVSWAP_SYNC=1 waits for the device and cannot be captured in a CUDA graph; use KVSWAP_SYNC=0"));
         }
+        // The limits the kernels are sized for (the ABI checks them before
+        // this; score_with_qw's callers reach it directly): k within
+        // FM_RANK_MAX (fm_select's `sure` list, fm_order's shared keys), a
+        // q/w pair per sequence, outputs apart.
+        args::check_k(u32::try_from(k).unwrap_or(u32::MAX))?;
+        args::check_batch(seqs.len())?;
+        if qw.is_some_and(|qw| qw.len() != seqs.len()) {
+            return Err(Error::invalid(format!("{} q/w pairs for {} sequences", qw.map_or(0, |q| q.len()), seqs.len())));
+        }
+        args::check_outputs_disjoint(seqs, k)?;
         let mut strides = Vec::with_capacity(seqs.len());
         for (i, q) in seqs.iter().enumerate() {
             let what = if seqs.len() > 1 { format!("seqs[{i}].") } else { String::new() };
@@ -1085,7 +1113,6 @@ impl ScorerBackend for CudaScorer {
 pub struct CudaBounds {
     bounds: Kernel,
     select: Selection,
-    sync: bool,
     workspaces: Workspaces,
     _module: Module,
     launch: Launch,
@@ -1117,8 +1144,11 @@ fn scorer_source() -> Result<std::borrow::Cow<'static, str>> {
     }
 }
 
-/// The bounds scorers of the process, by (device, sync).
-type BoundsByDevice = Mutex<HashMap<(i32, bool), Arc<CudaBounds>>>;
+/// The bounds scorers of the process, by device. Calls with either
+/// `KVSWAP_SYNC` share one, so an error a `KVSWAP_SYNC=0` call recorded on a
+/// stream is seen by every later call there (written as -1, returned by a
+/// `KVSWAP_SYNC=1` call) until it is returned.
+type BoundsByDevice = Mutex<HashMap<i32, Arc<CudaBounds>>>;
 
 static ALL_BOUNDS: OnceLock<BoundsByDevice> = OnceLock::new();
 
@@ -1129,36 +1159,21 @@ impl CudaBounds {
     /// but the device and the stream are checked and the stream waited for
     /// all the same.
     pub fn sync_errors(device: i32, stream: StreamHandle) -> Result<()> {
-        // The asynchronous instance holds the error records; a synchronous
-        // one still gives the device without opening it again.
-        let (asynch, synch) = match ALL_BOUNDS.get() {
-            Some(all) => {
-                let map = all.lock().unwrap_or_else(|p| p.into_inner());
-                (map.get(&(device, false)).cloned(), map.get(&(device, true)).cloned())
-            }
-            None => (None, None),
-        };
-        if let Some(me) = asynch {
+        let me = ALL_BOUNDS.get().and_then(|all| all.lock().unwrap_or_else(|p| p.into_inner()).get(&device).cloned());
+        if let Some(me) = me {
             return me.workspaces.sync_errors(&me.launch.device, stream);
         }
-        let opened;
-        let dev = match &synch {
-            Some(b) => &b.launch.device,
-            None => {
-                opened = open_device(device)?;
-                &opened
-            }
-        };
+        let dev = open_device(device)?;
         let _g = dev.bind()?;
-        super::check_waitable(dev, stream as CUstream, "wait for it")?;
+        super::check_waitable(&dev, stream as CUstream, "wait for it")?;
         driver::stream_sync(stream as CUstream)
     }
 
     /// The bounds scorer of `device`, created once per process.
-    pub fn get(device: i32, sync: bool) -> Result<Arc<CudaBounds>> {
+    pub fn get(device: i32) -> Result<Arc<CudaBounds>> {
         let all = ALL_BOUNDS.get_or_init(Default::default);
         let mut map = all.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(b) = map.get(&(device, sync)) {
+        if let Some(b) = map.get(&device) {
             return Ok(b.clone());
         }
         let dev = open_device(device)?;
@@ -1169,26 +1184,27 @@ impl CudaBounds {
         let select = Selection::new(&module)?;
         let pdl = dev.cc.0 >= 9;
         drop(_g);
-        let b = Arc::new(CudaBounds { bounds, select, sync, workspaces: Workspaces::default(), _module: module, launch: Launch { device: dev, pdl } });
-        map.insert((device, sync), b.clone());
+        let b = Arc::new(CudaBounds { bounds, select, workspaces: Workspaces::default(), _module: module, launch: Launch { device: dev, pdl } });
+        map.insert(device, b.clone());
         Ok(b)
     }
 }
 
-/// Forwards to the shared per-device instance.
-pub struct CudaBoundsHandle(pub Arc<CudaBounds>);
+/// Forwards to the shared per-device instance, with the `KVSWAP_SYNC` of
+/// the call (true: wait and return the stream's recorded error).
+pub struct CudaBoundsHandle(pub Arc<CudaBounds>, pub bool);
 
 impl BoundsBackend for CudaBoundsHandle {
     fn kind(&self) -> BackendKind {
         BackendKind::Cuda
     }
     unsafe fn bounds_topk(&self, b: &BoundsRef, k: usize, stream: StreamHandle) -> Result<()> {
-        let me = &*self.0;
+        let (me, sync) = (&*self.0, self.1);
         let dev = &me.launch.device;
         let _g = dev.bind()?;
         let s = check_stream(dev, stream)?;
         let capturing = driver::is_capturing(s)?;
-        if me.sync && capturing {
+        if sync && capturing {
             return Err(Error::invalid("KVSWAP_SYNC=1 cannot be captured in a CUDA graph; use KVSWAP_SYNC=0"));
         }
         let bytes = (b.n_chunks * b.dim * 4) as u64;
@@ -1227,7 +1243,7 @@ impl BoundsBackend for CudaBoundsHandle {
             }
             return Err(e);
         }
-        if me.sync {
+        if sync {
             driver::stream_sync(s)?;
             ws.take_error(s)?;
         }
@@ -1248,6 +1264,29 @@ mod tests {
             .unwrap_or_else(|| panic!("#define {name} not in the scorer source"));
         let value = line.split_whitespace().nth(2).unwrap();
         value.trim_end_matches('u').parse().unwrap_or_else(|_| panic!("#define {name} {value}: not a number"))
+    }
+
+    /// A stream's workspace regrows a few times at most as its calls grow,
+    /// and always holds the call.
+    #[test]
+    fn workspace_growth_is_bounded() {
+        let mut shape = None;
+        let mut grown = 0;
+        for seqs in 1..=MAX_BATCH {
+            for chunks in [seqs * 1000, seqs * 262_144] {
+                let fits = shape.is_some_and(|(s, c)| s >= seqs && c >= chunks);
+                if !fits {
+                    let (s, c) = grown_shape(shape, seqs, chunks);
+                    assert!(s >= seqs && c >= chunks && s <= MAX_BATCH, "{s} x {c} for {seqs} x {chunks}");
+                    shape = Some((s, c));
+                    grown += 1;
+                }
+            }
+        }
+        // 1, 2, 4, ..., 64 sequences; chunks double with them.
+        assert!(grown <= 2 * (MAX_BATCH.trailing_zeros() as usize + 1), "{grown} growths");
+        assert_eq!(grown_shape(None, 3, 5), (4, 8));
+        assert_eq!(grown_shape(Some((64, 1 << 20)), 1, 10), (64, 1 << 20));
     }
 
     /// The launch shapes and buffer layouts the host assumes are the ones the
