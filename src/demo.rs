@@ -578,7 +578,7 @@ pub fn cpu_swap_bench(quick: bool) -> Result<Vec<CpuSwapRow>> {
             let cfg = Config {
                 enable: true,
                 gpu_chunks: slots as u32,
-                index_topk: slots as u32,
+                index_topk: slots.min(crate::scorer::FM_MAX_TOPK as usize) as u32, // the scorers' most (above it the config warns)
                 backend: BackendChoice::Cpu,
                 ..Config::default()
             };

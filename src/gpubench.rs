@@ -95,7 +95,7 @@ fn context(device: i32, slots: usize, sync: bool, specs: &[KvswapLayerSpec]) -> 
     let cfg = Config {
         enable: true,
         gpu_chunks: slots as u32,
-        index_topk: slots as u32,
+        index_topk: slots.min(crate::scorer::FM_MAX_TOPK as usize) as u32, // the scorers' most (above it the config warns)
         sync,
         backend: BackendChoice::Cuda,
         device,

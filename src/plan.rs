@@ -440,6 +440,13 @@ fn create_limits(model: &Model, classes: &[ClassPlan]) -> Vec<String> {
     if model.window as u64 > ID_COUNT_MAX {
         w.push(format!("window {} is above the limit {} (KVSWAP_WINDOW)", thousands(model.window as u64), thousands(ID_COUNT_MAX)));
     }
+    if model.gpu_chunks as u64 > ID_COUNT_MAX {
+        w.push(format!(
+            "gpu_chunks {} is above the limit {} (KVSWAP_GPU_CHUNKS)",
+            thousands(model.gpu_chunks as u64),
+            thousands(ID_COUNT_MAX)
+        ));
+    }
     for c in classes {
         if c.compressed_cap >= ID_COUNT_MAX {
             w.push(format!(
@@ -769,6 +776,11 @@ mod tests {
         let small = plan(&Model { gpu_chunks: 256, ..Model::default() }, M).unwrap();
         assert!(small.warnings.iter().any(|w| w.contains("TOPK_GUARD")), "{:?}", small.warnings);
         assert!(render(&small).contains("\nwarning: gpu_chunks 256"));
+        // kvswap_create refuses gpu_chunks above 2^30 - 1 (Config::validate).
+        let huge = plan(&Model { layers: vec![LayerClass { count: 1, ratio: 1 }], gpu_chunks: 2_000_000_000, window: 0, ..Model::default() }, M).unwrap();
+        assert!(huge.warnings.iter().any(|w| w.contains("gpu_chunks 2,000,000,000 is above the limit")), "{:?}", huge.warnings);
+        let cfg = crate::config::Config { gpu_chunks: 2_000_000_000, index_topk: 1, ..Default::default() };
+        assert!(cfg.validate().is_err(), "the plan's limit is kvswap_create's");
     }
 
     #[test]

@@ -172,7 +172,7 @@ struct DemoArgs {
     /// Run once per --sweep-chunks value and print the comparison table.
     #[arg(long)]
     sweep: bool,
-    /// gpu_chunks values of the sweep (implies --sweep).
+    /// gpu_chunks values of the sweep (implies --sweep) [default: 512,1024,2048,4096,8192, those >= --topk].
     #[arg(long, value_delimiter = ',', value_name = "N,N,...", value_parser = clap::value_parser!(u32).range(1..))]
     sweep_chunks: Vec<u32>,
     /// Where the sweep writes its plot [default: kvswap-sweep.svg].

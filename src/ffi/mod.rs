@@ -166,8 +166,9 @@ pub extern "C" fn kvswap_config_from_env(out: *mut KvswapConfig) -> KvswapStatus
 /// Creates a context for `n_layers` layers described by `layers`, and
 /// writes its handle to `*out`. Applies the guards: `gpu_chunks < index_topk`
 /// (`KVSWAP_STATUS_TOPK_GUARD`), pinned host tier over `pinned_mib`
-/// (`KVSWAP_STATUS_PINNED_CAP`), zero sizes, more than KVSWAP_MAX_LAYERS
-/// layers (`KVSWAP_STATUS_OUT_OF_RANGE`), and no CUDA device for an explicit
+/// (`KVSWAP_STATUS_PINNED_CAP`), zero sizes (`KVSWAP_STATUS_INVALID_ARGUMENT`),
+/// more than KVSWAP_MAX_LAYERS layers (`KVSWAP_STATUS_OUT_OF_RANGE`), and
+/// no CUDA device for an explicit
 /// CUDA backend (`KVSWAP_STATUS_NO_DEVICE`). `auto` falls back to the CPU
 /// only where there is no CUDA driver or the driver reports no device; on a
 /// machine with devices it returns the CUDA backend's error instead (the
@@ -305,7 +306,9 @@ pub extern "C" fn kvswap_store_batch(
 /// -1; a duplicate id maps to the same slot; `count <= gpu_chunks`.
 /// A chunk never stored gives `KVSWAP_STATUS_NOT_STORED` and changes nothing
 /// (with `sync = 0` the entry becomes -1 and the error is returned by the next
-/// `kvswap_sync` or `kvswap_layer_stats`).
+/// `kvswap_sync` or `kvswap_layer_stats`; an id below -1 or at or above
+/// `compressed_cap` likewise, as `KVSWAP_STATUS_OUT_OF_RANGE`: on CUDA the
+/// ids are in device memory, which this mode does not wait for).
 /// With `KVSWAP_VALIDATE=1` every staged chunk is compared with its host
 /// copy after the call's work (on CUDA on the device); a mismatch is
 /// `KVSWAP_STATUS_VALIDATION_FAILED`, returned by this call (`sync = 1`) or
@@ -317,7 +320,8 @@ pub extern "C" fn kvswap_store_batch(
 /// Other errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx` or `indices`);
 /// `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `indices`, on CUDA the NULL
 /// stream or host memory); `KVSWAP_STATUS_OUT_OF_RANGE` (a bad layer, an
-/// id below -1 or at or above `compressed_cap`, `count` above
+/// id below -1 or at or above `compressed_cap` (with `sync = 0` reported
+/// later, as above), `count` above
 /// `gpu_chunks` (on a layer without swap: above the larger of `gpu_chunks`
 /// and `compressed_cap`), `window_len` + slots at or above 2^30, on CUDA `indices` past the
 /// end of its allocation); `KVSWAP_STATUS_WRONG_DEVICE` and
