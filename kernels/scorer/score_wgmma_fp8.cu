@@ -395,6 +395,15 @@ __device__ __forceinline__ float2 wq_weights(const float* sh_w, u32 lane, u32 j)
 #if !defined(FM_Q8_FMA_HEADSUM) && FM_SCORERS <= 4
 #define FM_Q8_TC 1
 #endif
+// FM_Q8_WGHS: at 192 query rows the head sums are wgmma m64n8k16 with A
+// from registers (below; 0.15-0.55 us faster per call than mma.sync on an
+// H200, NOTES s39); other row counts keep mma.sync (their accumulators and
+// A operands do not fit the register cap side by side), as does
+// -DFM_Q8_HMMA_HEADSUM (development: to time the two side by side).
+#undef FM_Q8_WGHS
+#if defined(FM_Q8_TC) && FM_QROWS == 192 && !defined(FM_Q8_HMMA_HEADSUM)
+#define FM_Q8_WGHS 1
+#endif
 // The head-sum MMAs' independent accumulator chains (development: 4 halves
 // each chain's dependent HMMAs at 12 k-steps; 2 or 4, dividing the k-steps).
 #ifndef FM_Q8_TC_CHAINS
@@ -405,7 +414,8 @@ static_assert(FM_Q8_TC_CHAINS == 2 || FM_Q8_TC_CHAINS == 4, "2 or 4 head-sum cha
 // The fast path's head sums on the tensor cores (H200, 3 x 64 x 128, 262,144
 // chunks: 28.1 us beside 28.7 us on the FMA path, benches/NOTES.md s34). relu(x) of the accumulators,
 // rounded to bf16 two at a time (one cvt.rn.relu.bf16x2 per pair), is the A
-// operand of an mma.sync m16n8k16 whose B holds each scorer's head weights
+// operand of an MMA (a warpgroup's wgmma m64n8k16 at 192 query rows, FM_Q8_WGHS;
+// else each warp's mma.sync m16n8k16) whose B holds each scorer's head weights
 // split into bf16 hi and lo parts (columns 2s and 2s + 1 of scorer s; zero
 // outside its heads): the accumulators' fragment layout is the A fragment
 // layout, so no data moves between lanes. Error per term: bf16 rounding of
@@ -433,6 +443,23 @@ __device__ __forceinline__ float tc_weight(u32 n, u32 col, float w) {
     const float hi = __uint_as_float(__float_as_uint(w) & 0xffff0000u);
     return n % 2 == 0 ? hi : w - hi;
 }
+#ifdef FM_Q8_WGHS
+// The head sums as wgmma m64n8k16 with A from registers (the relu'd bf16
+// pairs, in the accumulators' own layout) and B = the head weights in shared
+// memory, K-major without swizzle: core matrices of 8 columns x 8 K rows
+// (16 bytes per column), K-adjacent core matrices 128 bytes apart (one
+// 8-column group, so the other stride is unused).
+__device__ __forceinline__ u64 gmma_desc_plain(u32 saddr) {
+    return (u64)((saddr & 0x3FFFFu) >> 4) | ((u64)(128 >> 4) << 16) | ((u64)(128 >> 4) << 32);
+}
+__device__ __forceinline__ void wgmma_hs_n8(float* c, const u32* a, u64 desc_b, u32 accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+#endif
 #endif
 
 // Two values (|v| <= 448) to e4m3, round to nearest even: lo in the low byte.
@@ -510,7 +537,11 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
     __shared__ int sh_e[FM_QROWS];
     __shared__ int sh_E[FM_SCORERS];
 #ifdef FM_Q8_TC
+#ifdef FM_Q8_WGHS
+    __shared__ __align__(128) u32 sh_wt[FM_QROWS / 8][8][4];  // [K / 8][column][K % 8 pairs]: bf16x2 head weights
+#else
     __shared__ uint2 sh_wb[FM_QROWS / 16][32];  // the head-sum MMA's B fragment per k-step and lane
+#endif
 #endif
     __shared__ float sh_p2E[FM_SCORERS];  // 2^E where that is a normal float, else 0 (no fast path)
     TR_SHARED
@@ -654,6 +685,16 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
     fence_async_smem();  // Q (generic stores) -> tensor-core reads
     __syncthreads();
 #ifdef FM_Q8_TC
+#ifdef FM_Q8_WGHS
+    // The head-sum wgmmas' B: column n, K rows 2j and 2j + 1 as one bf16
+    // pair, in gmma_desc_plain's layout; weights from sh_w.
+    for (u32 i = threadIdx.x; i < FM_QROWS / 2 * 8; i += GT) {
+        const u32 n = i % 8, col = 2 * (i / 8);
+        auto w = [&](u32 c) { return tc_weight(n, c, sh_w[wq_at(c)]); };
+        sh_wt[col / 8][n][(col % 8) / 2] = bf16x2(w(col), w(col + 1));
+    }
+    fence_async_smem();  // generic stores -> the head-sum wgmmas' reads
+#else
     // B fragments (m16n8k16, col): lane l holds column l / 4 at K rows
     // 2 (l % 4) + {0, 1} and + 8, + 9 of each k-step; weights from sh_w.
     for (u32 i = threadIdx.x; i < FM_QROWS / 16 * 32; i += GT) {
@@ -661,6 +702,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
         auto w = [&](u32 col) { return tc_weight(n, col, sh_w[wq_at(col)]); };
         sh_wb[k][l] = make_uint2(bf16x2(w(c0), w(c0 + 1)), bf16x2(w(c0 + 8), w(c0 + 9)));
     }
+#endif
     __syncthreads();
 #endif
     // E per scorer, and 2^E as a float where that is a normal number (else 0,
@@ -718,7 +760,14 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
         const u64 da0 = gmma_desc(smem_addr(slot));
         wgmma_fence();
 #pragma unroll
+#ifdef FM_Q8_WGHS
+        for (u32 ks = 0; ks < FM_HEAD_DIM / 32; ++ks) {
+            if (ks == 0) wgmma8_n192_z(d, da0, db0, 0u);
+            else wgmma8_row(d, da0 + ks * 2u, db0 + ks * 2u, 1u);  // +32 bytes
+        }
+#else
         for (u32 ks = 0; ks < FM_HEAD_DIM / 32; ++ks) wgmma8_row(d, da0 + ks * 2u, db0 + ks * 2u, ks > 0 ? 1u : 0u);  // +32 bytes
+#endif
         wgmma_commit();
         if (i < next_turns) turn_pass(ORDER_BAR + next);
         // The refill of the slot tile i - 1 used (every warp is past this
@@ -754,6 +803,51 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) finite[h] = isfinite(d[2 * h]);
 #ifdef FM_Q8_TC
+#ifdef FM_Q8_WGHS
+            // Every warp of the warpgroup (wgmma is collective), whichever
+            // path its rows take below.
+            float hs[4];
+            {
+                u32 a[FM_QROWS / 16][4];
+#pragma unroll
+                for (u32 k = 0; k < FM_QROWS / 16; ++k) {
+                    a[k][0] = relu_bf16x2(d[8 * k], d[8 * k + 1]);
+                    a[k][1] = relu_bf16x2(d[8 * k + 2], d[8 * k + 3]);
+                    a[k][2] = relu_bf16x2(d[8 * k + 4], d[8 * k + 5]);
+                    a[k][3] = relu_bf16x2(d[8 * k + 6], d[8 * k + 7]);
+                }
+                const u64 dw0 = gmma_desc_plain(smem_addr(sh_wt));
+                wgmma_fence();
+#pragma unroll
+                for (u32 k = 0; k < FM_QROWS / 16; ++k) wgmma_hs_n8(hs, a[k], dw0 + k * (256u >> 4), k > 0 ? 1u : 0u);
+                wgmma_commit();
+                wgmma_wait0();
+            }
+            {
+                // Every row's sums from the head-sum MMAs: one multiply by
+                // scale * 2^E where that is a normal float for the whole
+                // warp, else the two steps of scaled_sum.
+                const bool fast = __all_sync(KVS_FULL_MASK, normal);
+#pragma unroll
+                for (u32 h = 0; h < 2; ++h) {
+                    const bool mine = tq < FM_SCORERS;
+                    const float si = hs[2 * h] + hs[2 * h + 1];
+                    const float v = fast ? si * (scales[h] * p2E_mine) : (mine ? scaled_sum(si, scales[h], E[tq]) : 0.f);
+                    // The ensemble over the quad's lanes 0 .. FM_SCORERS - 1
+                    // (as the mma.sync path's below: the SASS measured).
+                    float x = mine ? v : (mean ? 0.f : __int_as_float(0xff800000));
+                    u32 ok = !mine || isfinite(v);
+#pragma unroll
+                    for (u32 o = 1; o < 4; o <<= 1) {
+                        const float y = __shfl_xor_sync(KVS_FULL_MASK, x, o);
+                        x = mean ? x + y : fmaxf(x, y);
+                        ok &= __shfl_xor_sync(KVS_FULL_MASK, ok, o);
+                    }
+                    ens[h] = mean ? x * (1.f / FM_SCORERS) : x;
+                    finite[h] = finite[h] && ok;
+                }
+            }
+#else
             if (__all_sync(KVS_FULL_MASK, normal)) {
                 // FM_Q8_TC_CHAINS accumulator chains (k-step k on chain
                 // k % FM_Q8_TC_CHAINS), each holding every scorer's columns:
@@ -789,6 +883,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
                     finite[h] = finite[h] && ok;
                 }
             } else
+#endif
 #else
             if (__all_sync(KVS_FULL_MASK, normal))
                 head_sums<2>(
@@ -796,10 +891,12 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
                     [&](u32 h, u32 s, float si) { return si * c[h][s]; }, mean, ens, finite);
             else
 #endif
+#ifndef FM_Q8_WGHS
                 // Some c not a normal float: the sums rescaled in two steps.
                 head_sums<2>(
                     d, 0, [&](u32 j) { return wq_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
                     [&](u32 h, u32 s, float si) { return scaled_sum(si, scales[h], E[s]); }, mean, ens, finite);
+#endif
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], lane, S, sh_hist, bad, bad_chunk);
         }
