@@ -257,7 +257,12 @@ impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         // SAFETY: allocated by cuMemAlloc; freeing needs no current context
         // for allocations made in a primary context that is still retained.
-        unsafe { sys::cuMemFree_v2(self.ptr) };
+        let r = unsafe { sys::cuMemFree_v2(self.ptr) };
+        // A failure (e.g. another thread capturing in global mode) leaks the
+        // buffer; drop cannot return it, so it is logged.
+        if r != sys::CUresult::CUDA_SUCCESS {
+            log::warn!("kvswap: cuMemFree of {} bytes failed ({r:?}); the buffer is leaked", self.bytes);
+        }
     }
 }
 

@@ -347,7 +347,8 @@ impl Workspaces {
     /// chunks in all (q and w sized for `q_elems` / `w_elems` per sequence). Neither can happen while `s`
     /// is captured: the graph would address a buffer allocated inside its
     /// capture. A grown workspace takes over the old one's error record, so
-    /// a pending error is still reported; the old one is retired.
+    /// a pending error is still reported; the old one is freed, or retired
+    /// if a call was captured into it.
     /// `capturing`: `s` is being captured (the caller asked once per call).
     #[allow(clippy::too_many_arguments)]
     fn ensure<'a>(
@@ -1212,6 +1213,8 @@ impl BoundsBackend for CudaBoundsHandle {
         check_device_ptr(dev, b.min, bytes, "bounds_min")?;
         check_device_ptr(dev, b.max, bytes, "bounds_max")?;
         check_device_ptr(dev, b.out, 4 * k as u64, "out_indices")?;
+        // As in CudaScorer::run: lines logged under the lock wait for it.
+        let _quiet = crate::logging::defer();
         let slot = me.workspaces.slot(s);
         let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
         let ws = me.workspaces.ensure(&mut held, s, capturing, 1, b.n_chunks, 0, 0)?;
