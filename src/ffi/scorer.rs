@@ -322,7 +322,9 @@ pub extern "C" fn fm_scorer_set_query(scorer: *mut FmScorer, query: KvswapFmQuer
 /// with the shape you will capture (for a batch, its launch groups' chunks
 /// in all). A workspace (about 12 bytes per chunk, plus the projections of
 /// up to 64 sequences) stays until the scorer is freed, one per stream (and
-/// per thread using `CU_STREAM_PER_THREAD`). On CUDA `hidden` must be
+/// per thread using `CU_STREAM_PER_THREAD`); it is keyed by the stream's
+/// handle, so destroy a stream only once its scorer work has completed (a
+/// stream created later may get the same handle). On CUDA `hidden` must be
 /// 16-byte aligned.
 ///
 /// On CUDA the time also depends on how the scores are spread. The
@@ -446,7 +448,8 @@ pub extern "C" fn fm_score_topk_batch(
 /// each call reads `KVSWAP_SYNC` from the environment; calls with either
 /// value share the device's error records, so an error a `KVSWAP_SYNC=0`
 /// call left on a stream makes the later calls there write -1 until it is
-/// returned, by `fm_bounds_sync` or by the next `KVSWAP_SYNC=1` call.
+/// returned, by `fm_bounds_sync` or by the next `KVSWAP_SYNC=1` call (an
+/// error a captured graph recorded is returned by `fm_bounds_sync` only).
 /// Errors: as `fm_score_topk` (NULL pointers, sizes, values, and on CUDA
 /// memory, streams, capture and devices), plus `KVSWAP_STATUS_INVALID_ARGUMENT`
 /// for `device < -1`, a `dim` outside its range or (CUDA) a bad
