@@ -449,7 +449,8 @@ pub extern "C" fn fm_score_topk_batch(
 /// value share the device's error records, so an error a `KVSWAP_SYNC=0`
 /// call left on a stream makes the later calls there write -1 until it is
 /// returned, by `fm_bounds_sync` or by the next `KVSWAP_SYNC=1` call (an
-/// error a captured graph recorded is returned by `fm_bounds_sync` only).
+/// error recorded by a graph captured before the stream's workspace grew
+/// is returned by `fm_bounds_sync` only).
 /// Errors: as `fm_score_topk` (NULL pointers, sizes, values, and on CUDA
 /// memory, streams, capture and devices), plus `KVSWAP_STATUS_INVALID_ARGUMENT`
 /// for `device < -1`, a `dim` outside its range or (CUDA) a bad
