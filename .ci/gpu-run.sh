@@ -124,6 +124,8 @@ if [[ $what == defines ]]; then
     done
   done
   fm_table defines
+  # Sets built with -DFM_CTRACE: their call timelines side by side.
+  python3 .ci/fm-ctrace.py "$OUT" defines
 fi
 if [[ $what == baseline ]]; then
   # The scorer benchmark of this build and of .gpu/baseline/kvswap
