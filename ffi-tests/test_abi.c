@@ -866,7 +866,7 @@ static void test_logging(void) {
     cfg.enable = 0;
     log_reset();
     ctx = create_ok(&cfg, specs, 2);
-    CHECK_LOG("swap off");
+    CHECK_LOG("kvswap: swap off reason=disabled_by_config (KVSWAP_ENABLE=0) layers=2 all_chunks_resident=1");
     CHECK(strstr(log_text, "kvswap: swap on") == NULL);
     kvswap_destroy(ctx);
     cfg.enable = 1;
@@ -1699,7 +1699,9 @@ static void test_disabled(void) {
             free(rows_copy);
             /* Guards still apply. */
             int32_t bad[2] = {(int32_t)cap, 0};
-            CHECK_ERR(swap_dev(ctx, l, bad, 2, 0, 2), KVSWAP_STATUS_OUT_OF_RANGE, "");
+            char bad_msg[64];
+            snprintf(bad_msg, sizeof bad_msg, "selected id %d at selection position 0", (int)cap);
+            CHECK_ERR(swap_dev(ctx, l, bad, 2, 0, 2), KVSWAP_STATUS_OUT_OF_RANGE, bad_msg);
             CHECK(bad[0] == (int32_t)cap && bad[1] == 0);
         }
         /* A chunk never stored cannot be selected even when swap is off. */

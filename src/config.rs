@@ -605,14 +605,45 @@ mod tests {
 
     #[test]
     fn c_round_trip_and_bad_c_values() {
+        // Every field away from its default and from the others' values, so a
+        // field dropped, defaulted or swapped on the way shows.
         let c = Config {
-            fm_ckpt: Some("/x/y.safetensors".into()),
-            backend: BackendChoice::Cuda,
+            enable: true,
+            gpu_chunks: 1000,
+            pinned_mib: 777,
+            sync: false,
+            validate: true,
+            test_allow_topk_reduction: true,
+            index_topk: 300,
+            window: 64,
             fm_ensemble: Ensemble::Mean,
-            ..Config::default()
+            mem_profile: true,
+            backend: BackendChoice::Cuda,
+            device: 3,
+            fm_ckpt: Some("/x/y.safetensors".into()),
         };
+        let d = Config::default();
+        assert!(
+            c.enable != d.enable
+                && c.gpu_chunks != d.gpu_chunks
+                && c.pinned_mib != d.pinned_mib
+                && c.sync != d.sync
+                && c.validate != d.validate
+                && c.test_allow_topk_reduction != d.test_allow_topk_reduction
+                && c.index_topk != d.index_topk
+                && c.window != d.window
+                && c.fm_ensemble != d.fm_ensemble
+                && c.mem_profile != d.mem_profile
+                && c.backend != d.backend
+                && c.device != d.device
+                && c.fm_ckpt != d.fm_ckpt
+        );
         let cc = c.to_c();
         assert_eq!(Config::from_c(&cc).unwrap(), c);
+        for b in [BackendChoice::Auto, BackendChoice::Cpu] {
+            let other = Config { backend: b, fm_ensemble: Ensemble::Max, sync: true, ..c.clone() };
+            assert_eq!(Config::from_c(&other.to_c()).unwrap(), other);
+        }
         let mut bad = cc;
         bad.sync = 7;
         assert!(Config::from_c(&bad).unwrap_err().message.contains("sync"));

@@ -601,6 +601,30 @@ mod tests {
         assert!(stats_line(7, 512, &off).ends_with(" slots=64 swap=0"));
     }
 
+    /// A batch store naming an id twice stores its last row (the header's
+    /// rule), once, as one store; a resident chunk's slot is refreshed.
+    #[test]
+    fn a_repeated_id_in_a_store_batch_keeps_its_last_row() {
+        let config = Config { backend: BackendChoice::Cpu, enable: true, gpu_chunks: 4, index_topk: 4, ..Config::default() };
+        let spec = KvswapLayerSpec { compressed_cap: 16, chunk_bytes: 8, staging: std::ptr::null_mut(), staging_stride: 0 };
+        let ctx = Context::new(config, &[spec]).unwrap();
+        let rows: Vec<u8> = [[1u8; 8], [2; 8], [3; 8]].concat();
+        ctx.store_rows(0, &[3, 5, 3], &rows).unwrap();
+        assert_eq!(ctx.stats(0).unwrap().stores, 2, "3 and 5, each once");
+        let mut idx = [3, 5];
+        ctx.swap_in(0, &mut idx, 0).unwrap();
+        assert_eq!(ctx.slot_bytes(0, idx[0] as u32).unwrap(), [3u8; 8], "chunk 3 holds the batch's last row for it");
+        assert_eq!(ctx.slot_bytes(0, idx[1] as u32).unwrap(), [2u8; 8]);
+        // Resident now: a repeated id refreshes the slot with its last row.
+        let rows: Vec<u8> = [[7u8; 8], [9; 8]].concat();
+        ctx.store_rows(0, &[3, 3], &rows).unwrap();
+        assert_eq!(ctx.slot_bytes(0, idx[0] as u32).unwrap(), [9u8; 8]);
+        let mut again = [3];
+        ctx.swap_in(0, &mut again, 0).unwrap();
+        assert_eq!(again[0], idx[0], "a hit: same slot");
+        assert_eq!(ctx.slot_bytes(0, again[0] as u32).unwrap(), [9u8; 8]);
+    }
+
     /// Strides whose rows would run past the end of the address space are
     /// refused before any pointer arithmetic (the backends add them to the
     /// engine's pointers; the device kernels in wrapping u64).

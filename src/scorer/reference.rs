@@ -341,6 +341,20 @@ mod tests {
         assert_eq!(f.q[2], e4m3_round(bf16_round(0.001) * 512.0) / 512.0);
         assert_eq!(f.q[3..], [0.0, 0.0, 0.0]);
         assert_eq!(f.w, p.w);
+        // Each head its own exponent: heads of max 0.5 (e = -9) and 112
+        // (e = -2: 112 * 4 = 448). In the small head 0.3 -> bf16 0.30078125
+        // * 512 = 154 -> 160 (quantum 16) -> 0.3125, and 0.0007 -> bf16
+        // 0.000701904296875, * 512 = 0.359375 -> 0.375 (quantum 2^-5, a tie
+        // to even); one exponent for the whole q (e = -2) would give it
+        // * 4 = 0.0028 -> 2^-9 (a subnormal quantum). In
+        // the large head 3 * 4 = 12 and 112 * 4 = 448 are exact, and 0.3 * 4
+        // -> 1.203125 -> 1.25 (quantum 0.125) -> 0.3125.
+        let p = Projection { q: vec![0.5, 0.3, 0.0007, 112.0, 3.0, 0.3], w: vec![1.0, 1.0] };
+        let f = fp8_query(&p, 3);
+        assert_eq!(f.q[..3], [0.5, 0.3125, e4m3_round(bf16_round(0.0007) * 512.0) / 512.0]);
+        assert_eq!(f.q[2], 0.375 / 512.0);
+        assert_ne!(f.q[2], e4m3_round(bf16_round(0.0007) * 4.0) / 4.0, "the small head took the large head's exponent");
+        assert_eq!(f.q[3..], [112.0, 3.0, 0.3125]);
         // Every element is within 2^-4 (half an e4m3 step) of its bf16 value.
         let mut rng = 0x1234_5678u64;
         let q: Vec<f64> = (0..512)
