@@ -803,10 +803,12 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) finite[h] = isfinite(d[2 * h]);
 #ifdef FM_Q8_TC
+            // hs: this lane's scorer tq's hi and lo head sums (columns 2 tq,
+            // 2 tq + 1) of its rows ra (hs[0], hs[1]) and rb (hs[2], hs[3]).
+            float hs[4];
 #ifdef FM_Q8_WGHS
             // Every warp of the warpgroup (wgmma is collective), whichever
             // path its rows take below.
-            float hs[4];
             {
                 u32 a[FM_QROWS / 16][4];
 #pragma unroll
@@ -823,35 +825,10 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
                 wgmma_commit();
                 wgmma_wait0();
             }
-            {
-                // Every row's sums from the head-sum MMAs: one multiply by
-                // scale * 2^E where that is a normal float for the whole
-                // warp, else the two steps of scaled_sum.
-                const bool fast = __all_sync(KVS_FULL_MASK, normal);
-#pragma unroll
-                for (u32 h = 0; h < 2; ++h) {
-                    const bool mine = tq < FM_SCORERS;
-                    const float si = hs[2 * h] + hs[2 * h + 1];
-                    const float v = fast ? si * (scales[h] * p2E_mine) : (mine ? scaled_sum(si, scales[h], E[tq]) : 0.f);
-                    // The ensemble over the quad's lanes 0 .. FM_SCORERS - 1
-                    // (as the mma.sync path's below: the SASS measured).
-                    float x = mine ? v : (mean ? 0.f : __int_as_float(0xff800000));
-                    u32 ok = !mine || isfinite(v);
-#pragma unroll
-                    for (u32 o = 1; o < 4; o <<= 1) {
-                        const float y = __shfl_xor_sync(KVS_FULL_MASK, x, o);
-                        x = mean ? x + y : fmaxf(x, y);
-                        ok &= __shfl_xor_sync(KVS_FULL_MASK, ok, o);
-                    }
-                    ens[h] = mean ? x * (1.f / FM_SCORERS) : x;
-                    finite[h] = finite[h] && ok;
-                }
-            }
 #else
-            if (__all_sync(KVS_FULL_MASK, normal)) {
+            {
                 // FM_Q8_TC_CHAINS accumulator chains (k-step k on chain
-                // k % FM_Q8_TC_CHAINS), each holding every scorer's columns:
-                // lane tq gets scorer tq's hi and lo sums.
+                // k % FM_Q8_TC_CHAINS), each holding every scorer's columns.
                 float acc[FM_Q8_TC_CHAINS][4];
 #pragma unroll
                 for (u32 c = 0; c < FM_Q8_TC_CHAINS; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.f;
@@ -867,9 +844,19 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
 #pragma unroll
                     for (u32 j = 0; j < 4; ++j) acc[c % 2][j] += acc[c][j];
 #pragma unroll
+                for (u32 j = 0; j < 4; ++j) hs[j] = acc[0][j] + acc[1][j];
+            }
+#endif
+            {
+                // Every row's sums from the head-sum MMAs: one multiply by
+                // scale * 2^E where that is a normal float for the whole
+                // warp, else the two steps of scaled_sum.
+                const bool fast = __all_sync(KVS_FULL_MASK, normal);
+#pragma unroll
                 for (u32 h = 0; h < 2; ++h) {
                     const bool mine = tq < FM_SCORERS;
-                    const float v = ((acc[0][2 * h] + acc[0][2 * h + 1]) + (acc[1][2 * h] + acc[1][2 * h + 1])) * (scales[h] * p2E_mine);
+                    const float si = hs[2 * h] + hs[2 * h + 1];
+                    const float v = fast ? si * (scales[h] * p2E_mine) : (mine ? scaled_sum(si, scales[h], E[tq]) : 0.f);
                     // The ensemble over the quad's lanes 0 .. FM_SCORERS - 1.
                     float x = mine ? v : (mean ? 0.f : __int_as_float(0xff800000));
                     u32 ok = !mine || isfinite(v);
@@ -882,16 +869,13 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
                     ens[h] = mean ? x * (1.f / FM_SCORERS) : x;
                     finite[h] = finite[h] && ok;
                 }
-            } else
-#endif
+            }
 #else
             if (__all_sync(KVS_FULL_MASK, normal))
                 head_sums<2>(
                     d, 0, [&](u32 j) { return wq_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
                     [&](u32 h, u32 s, float si) { return si * c[h][s]; }, mean, ens, finite);
             else
-#endif
-#ifndef FM_Q8_WGHS
                 // Some c not a normal float: the sums rescaled in two steps.
                 head_sums<2>(
                     d, 0, [&](u32 j) { return wq_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
