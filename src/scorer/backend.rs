@@ -114,7 +114,9 @@ pub trait ScorerBackend: Send + Sync {
     /// # Safety
     /// Every address of `seq` is valid in the backend's memory space for the
     /// sizes it describes, and `seq.out` is not accessed by anyone else
-    /// until the work on `stream` is done.
+    /// until the work on `stream` is done. The arguments passed `args`'
+    /// checks (k, n_chunks, the keys), as `Scorer` checks them: a device
+    /// backend's buffers are sized for those limits.
     unsafe fn score_topk(&self, seq: &SeqRef, k: usize, mode: ScoreMode, stream: StreamHandle) -> Result<()>;
 
     /// Scores every sequence of a batch, reading the weights once. On
@@ -122,7 +124,8 @@ pub trait ScorerBackend: Send + Sync {
     /// its own rule).
     ///
     /// # Safety
-    /// As `score_topk` for each sequence; outputs do not overlap.
+    /// As `score_topk` for each sequence; the batch size within
+    /// `args::check_batch`'s limit; outputs do not overlap.
     unsafe fn score_topk_batch(&self, seqs: &[SeqRef], k: usize, mode: ScoreMode, stream: StreamHandle)
         -> Result<()>;
 

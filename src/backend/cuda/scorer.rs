@@ -791,16 +791,6 @@ impl CudaScorer {
         if self.sync && capturing {
             return Err(Error::invalid("KVSWAP_SYNC=1 waits for the device and cannot be captured in a CUDA graph; use KVSWAP_SYNC=0"));
         }
-        // The limits the kernels are sized for (the ABI checks them before
-        // this; score_with_qw's callers reach it directly): k within
-        // FM_RANK_MAX (fm_select's `sure` list, fm_order's shared keys), a
-        // q/w pair per sequence, outputs apart.
-        args::check_k(u32::try_from(k).unwrap_or(u32::MAX))?;
-        args::check_batch(seqs.len())?;
-        if qw.is_some_and(|qw| qw.len() != seqs.len()) {
-            return Err(Error::invalid(format!("{} q/w pairs for {} sequences", qw.map_or(0, |q| q.len()), seqs.len())));
-        }
-        args::check_outputs_disjoint(seqs, k)?;
         let mut strides = Vec::with_capacity(seqs.len());
         for (i, q) in seqs.iter().enumerate() {
             let what = if seqs.len() > 1 { format!("seqs[{i}].") } else { String::new() };
@@ -995,6 +985,16 @@ impl CudaScorer {
     /// 16-byte aligned (the kernels load it in 16-byte pieces; allocations
     /// are).
     pub unsafe fn score_with_qw(&self, seqs: &[SeqRef], qw: &[(u64, u64)], k: usize, mode: impl Into<ScoreMode>, stream: StreamHandle) -> Result<()> {
+        // The limits the kernels are sized for, which the ABI's path checks
+        // before `run`: k within FM_RANK_MAX (fm_select's `sure` list,
+        // fm_order's shared keys), the batch size, a q/w pair per sequence,
+        // outputs apart.
+        args::check_k(u32::try_from(k).unwrap_or(u32::MAX))?;
+        args::check_batch(seqs.len())?;
+        if qw.len() != seqs.len() {
+            return Err(Error::invalid(format!("{} q/w pairs for {} sequences", qw.len(), seqs.len())));
+        }
+        args::check_outputs_disjoint(seqs, k)?;
         for q in seqs {
             args::check_n_chunks(q.n_chunks)?;
         }
