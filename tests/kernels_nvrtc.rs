@@ -48,16 +48,16 @@ fn every_kernel_compiles() {
     // timelines (the fp8 kernels' -DFM_TRACE, fm_order's merge tree
     // -DFM_OTRACE, the call timeline -DFM_CTRACE), fm_score_wg_fp8q's FMA
     // head sums (-DFM_Q8_FMA_HEADSUM; 8 scorers take them by default) and
-    // its four head-sum chains (-DFM_Q8_TC_CHAINS=4). The
-    // default build's tensor-core head sums at 1 and 4 scorers: the edges of
-    // the MMA's columns.
+    // its mma.sync head sums at 192 query rows (-DFM_Q8_HMMA_HEADSUM). The
+    // default build's tensor-core head sums at 1, 2 and 4 scorers (4, 2 and
+    // 4 head-sum k-steps per scorer).
     let dev: [(&str, (u32, u32, u32)); 9] = [
         ("-DFM_TRACE -DFM_OTRACE", (3, 64, 128)),
         ("-DFM_CTRACE", (3, 64, 128)),
         ("-DFM_Q8_FMA_HEADSUM", (3, 64, 128)),
         ("-DFM_Q8_FMA_HEADSUM", (4, 64, 128)),
-        ("-DFM_Q8_TC_CHAINS=4", (3, 64, 128)),
-        ("-DFM_Q8_TC_CHAINS=4", (1, 64, 128)),
+        ("-DFM_Q8_HMMA_HEADSUM", (3, 64, 128)),
+        ("", (2, 32, 128)),
         ("", (1, 64, 128)),
         ("", (4, 64, 128)),
         ("", (8, 8, 128)),

@@ -305,7 +305,7 @@ __device__ __forceinline__ void ensemble_fold(float si, u32 sc, bool mean, float
 
 // Files a row's score: its sortable key (the lowest score after an error)
 // and its histogram count; one lane of the quad writes.
-__device__ __forceinline__ void wg_file_score(float ens, bool finite, bool in, u32 chunk, u32 lane, const ScoreSeq& S, u32* sh_hist,
+__device__ __forceinline__ void wg_file_score(float ens, bool finite, bool in, u32 chunk, bool filer, const ScoreSeq& S, u32* sh_hist,
                                               bool& bad, u32& bad_chunk) {
     // The ensemble too: a mean of finite scorer scores can overflow f32 (as
     // fm_score checks).
@@ -315,7 +315,7 @@ __device__ __forceinline__ void wg_file_score(float ens, bool finite, bool in, u
         ens = -3.0e38f;
     }
     const u32 k = sort_key(ens);
-    if ((lane & 3u) == 0 && in) {  // 8 lanes: a plain shared atomic beats match_any
+    if (filer && in) {  // one lane per row: a plain shared atomic beats match_any
         // Evict-last: fm_select reads every sort key right after this
         // kernel (H200, full bf16 at 262,144 chunks: 84.2 -> 83.7 us, NOTES
         // s30), and reads them evict-first, which ends the priority.
@@ -540,7 +540,7 @@ __device__ __forceinline__ void score_wg(const ScoreBatch& B, u32* err) {
 #pragma unroll
             for (u32 half = 0; half < 2; ++half) {
                 const u32 chunk = c0 + row0 + half * 8;
-                wg_file_score(ens[half], finite[half], chunk < n, chunk, lane, S, sh_hist, bad, bad_chunk);
+                wg_file_score(ens[half], finite[half], chunk < n, chunk, (lane & 3u) == 0, S, sh_hist, bad, bad_chunk);
             }
             continue;
         }
@@ -550,7 +550,7 @@ __device__ __forceinline__ void score_wg(const ScoreBatch& B, u32* err) {
             const bool in = chunk < n;
             bool finite;
             const float ens = wg_row_score_scaled(d, half, wv, in ? S.scales[chunk] : 1.f, mean, finite);
-            wg_file_score(ens, finite, in, chunk, lane, S, sh_hist, bad, bad_chunk);
+            wg_file_score(ens, finite, in, chunk, (lane & 3u) == 0, S, sh_hist, bad, bad_chunk);
         }
     }
     wg_scores_done(B, err, bad, bad_chunk);

@@ -336,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(Scor
             bool finite[2];
             wg8_rows_score_pos(d, sh_w, lane, scales, inv, e, mean, ens, finite);
 #pragma unroll
-            for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], lane, S, sh_hist, bad, bad_chunk);
+            for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], (lane & 3u) == 0, S, sh_hist, bad, bad_chunk);
         }
         TR(9);
     }
@@ -404,24 +404,25 @@ __device__ __forceinline__ float2 wq_weights(const float* sh_w, u32 lane, u32 j)
 #if defined(FM_Q8_TC) && FM_QROWS == 192 && !defined(FM_Q8_HMMA_HEADSUM)
 #define FM_Q8_WGHS 1
 #endif
-// The head-sum MMAs' independent accumulator chains (development: 4 halves
-// each chain's dependent HMMAs at 12 k-steps; 2 or 4, dividing the k-steps).
-#ifndef FM_Q8_TC_CHAINS
-#define FM_Q8_TC_CHAINS 2
-#endif
-static_assert(FM_Q8_TC_CHAINS == 2 || FM_Q8_TC_CHAINS == 4, "2 or 4 head-sum chains");
 #ifdef FM_Q8_TC
 // The fast path's head sums on the tensor cores (H200, 3 x 64 x 128, 262,144
 // chunks: 28.1 us beside 28.7 us on the FMA path, benches/NOTES.md s34). relu(x) of the accumulators,
 // rounded to bf16 two at a time (one cvt.rn.relu.bf16x2 per pair), is the A
 // operand of an MMA (a warpgroup's wgmma m64n8k16 at 192 query rows, FM_Q8_WGHS;
-// else each warp's mma.sync m16n8k16) whose B holds each scorer's head weights
-// split into bf16 hi and lo parts (columns 2s and 2s + 1 of scorer s; zero
-// outside its heads): the accumulators' fragment layout is the A fragment
-// layout, so no data moves between lanes. Error per term: bf16 rounding of
+// else each warp's mma.sync m16n8k16) whose B holds the head weights of the
+// k-step's 16 (scorer, head) columns split into bf16 hi and lo parts: hi in
+// every even column, lo in every odd one. A k-step covers one scorer's
+// heads (FM_HEADS is a multiple of 16), and each scorer's k-steps accumulate
+// into their own registers, so every lane of a quad ends with every
+// scorer's hi and lo sums of its two rows: the ensemble needs no shuffle
+// between lanes (it took two rounds of shuffles, NOTES s40). The
+// accumulators' fragment layout is the A fragment layout, so no data moves
+// between lanes. Error per term: bf16 rounding of
 // relu(x) (<= u = 2^-8 relative) and of the weights (<= 2^-15 after the
 // hi/lo split), within the GPU-vs-reference tolerance's 2u = 2^-7
 // (tests/scorer_gpu.rs), of which it takes half.
+static_assert(FM_HEADS % 16 == 0, "a head-sum k-step of 16 columns holds one scorer's heads");
+#define FM_Q8_KSTEPS (FM_HEADS / 16)  // head-sum k-steps per scorer
 __device__ __forceinline__ u32 relu_bf16x2(float lo, float hi) {
     u32 r;
     asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -432,11 +433,9 @@ __device__ __forceinline__ u32 bf16x2(float lo, float hi) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
-// B fragment value of the head-sum MMA: column n (scorer n / 2, its weight's
-// hi part for even n, lo part for odd n) of K row `col` ((scorer, head)
-// column of the scores), from that column's weight w.
-__device__ __forceinline__ float tc_weight(u32 n, u32 col, float w) {
-    if (n / 2 != col / FM_HEADS) return 0.f;
+// B fragment value of the head-sum MMA: column n (the weight's hi part for
+// even n, its lo part for odd n) of K row `col`, from that column's weight w.
+__device__ __forceinline__ float tc_weight(u32 n, float w) {
     // hi by truncation (rounding could carry a weight near the f32 maximum
     // to Inf, and 0 * Inf is NaN); w - hi is exact, |w - hi| < 2^-7 |w|, and
     // rounded to bf16 when packed. A NaN weight stays NaN in hi or lo.
@@ -690,7 +689,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
     // pair, in gmma_desc_plain's layout; weights from sh_w.
     for (u32 i = threadIdx.x; i < FM_QROWS / 2 * 8; i += GT) {
         const u32 n = i % 8, col = 2 * (i / 8);
-        auto w = [&](u32 c) { return tc_weight(n, c, sh_w[wq_at(c)]); };
+        auto w = [&](u32 c) { return tc_weight(n, sh_w[wq_at(c)]); };
         sh_wt[col / 8][n][(col % 8) / 2] = bf16x2(w(col), w(col + 1));
     }
     fence_async_smem();  // generic stores -> the head-sum wgmmas' reads
@@ -699,7 +698,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
     // 2 (l % 4) + {0, 1} and + 8, + 9 of each k-step; weights from sh_w.
     for (u32 i = threadIdx.x; i < FM_QROWS / 16 * 32; i += GT) {
         const u32 k = i / 32, l = i % 32, n = l / 4, c0 = 16 * k + 2 * (l % 4);
-        auto w = [&](u32 col) { return tc_weight(n, col, sh_w[wq_at(col)]); };
+        auto w = [&](u32 col) { return tc_weight(n, sh_w[wq_at(col)]); };
         sh_wb[k][l] = make_uint2(bf16x2(w(c0), w(c0 + 1)), bf16x2(w(c0 + 8), w(c0 + 9)));
     }
 #endif
@@ -711,13 +710,6 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
     // made ptxas spill (168 registers).
     const int* E = sh_E;
     const float* p2E = sh_p2E;
-#ifdef FM_Q8_TC
-    const u32 tq = lane & 3u;  // this lane's scorer in the head-sum MMA's output (none when >= FM_SCORERS)
-    float p2E_mine = 0.f;
-#pragma unroll
-    for (u32 sc = 0; sc < FM_SCORERS; ++sc)
-        if (tq == sc) p2E_mine = p2E[sc];
-#endif
     bool bad = false;
     u32 bad_chunk = 0;
     const u64 db0 = gmma_desc(smem_addr(sh_q));
@@ -803,9 +795,10 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) finite[h] = isfinite(d[2 * h]);
 #ifdef FM_Q8_TC
-            // hs: this lane's scorer tq's hi and lo head sums (columns 2 tq,
-            // 2 tq + 1) of its rows ra (hs[0], hs[1]) and rb (hs[2], hs[3]).
-            float hs[4];
+            // hs[s]: scorer s's hi and lo head sums of this lane's rows ra
+            // (hs[s][0], hs[s][1]) and rb (hs[s][2], hs[s][3]); k-step k
+            // is scorer k / FM_Q8_KSTEPS's, the first of each overwrites.
+            float hs[FM_SCORERS][4];
 #ifdef FM_Q8_WGHS
             // Every warp of the warpgroup (wgmma is collective), whichever
             // path its rows take below.
@@ -821,52 +814,55 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
                 const u64 dw0 = gmma_desc_plain(smem_addr(sh_wt));
                 wgmma_fence();
 #pragma unroll
-                for (u32 k = 0; k < FM_QROWS / 16; ++k) wgmma_hs_n8(hs, a[k], dw0 + k * (256u >> 4), k > 0 ? 1u : 0u);
+                for (u32 k = 0; k < FM_QROWS / 16; ++k)
+                    wgmma_hs_n8(hs[k / FM_Q8_KSTEPS], a[k], dw0 + k * (256u >> 4), k % FM_Q8_KSTEPS > 0 ? 1u : 0u);
                 wgmma_commit();
                 wgmma_wait0();
             }
 #else
             {
-                // FM_Q8_TC_CHAINS accumulator chains (k-step k on chain
-                // k % FM_Q8_TC_CHAINS), each holding every scorer's columns.
-                float acc[FM_Q8_TC_CHAINS][4];
 #pragma unroll
-                for (u32 c = 0; c < FM_Q8_TC_CHAINS; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.f;
+                for (u32 sc = 0; sc < FM_SCORERS; ++sc) hs[sc][0] = hs[sc][1] = hs[sc][2] = hs[sc][3] = 0.f;
 #pragma unroll
                 for (u32 k = 0; k < FM_QROWS / 16; ++k) {
                     const u32 a[4] = {relu_bf16x2(d[8 * k], d[8 * k + 1]), relu_bf16x2(d[8 * k + 2], d[8 * k + 3]),
                                       relu_bf16x2(d[8 * k + 4], d[8 * k + 5]), relu_bf16x2(d[8 * k + 6], d[8 * k + 7])};
                     const uint2 b = sh_wb[k][lane];
-                    mma_bf16(acc[k % FM_Q8_TC_CHAINS], a, b.x, b.y);
+                    mma_bf16(hs[k / FM_Q8_KSTEPS], a, b.x, b.y);
                 }
-#pragma unroll
-                for (u32 c = 2; c < FM_Q8_TC_CHAINS; ++c)
-#pragma unroll
-                    for (u32 j = 0; j < 4; ++j) acc[c % 2][j] += acc[c][j];
-#pragma unroll
-                for (u32 j = 0; j < 4; ++j) hs[j] = acc[0][j] + acc[1][j];
             }
 #endif
             {
                 // Every row's sums from the head-sum MMAs: one multiply by
-                // scale * 2^E where that is a normal float for the whole
-                // warp, else the two steps of scaled_sum.
+                // c = scale * 2^E where that is a normal float for the whole
+                // warp, else the two steps of scaled_sum. The mean adds the
+                // scorers pairwise ((v0 + v1) + (v2 + v3)).
                 const bool fast = __all_sync(KVS_FULL_MASK, normal);
 #pragma unroll
                 for (u32 h = 0; h < 2; ++h) {
-                    const bool mine = tq < FM_SCORERS;
-                    const float si = hs[2 * h] + hs[2 * h + 1];
-                    const float v = fast ? si * (scales[h] * p2E_mine) : (mine ? scaled_sum(si, scales[h], E[tq]) : 0.f);
-                    // The ensemble over the quad's lanes 0 .. FM_SCORERS - 1.
-                    float x = mine ? v : (mean ? 0.f : __int_as_float(0xff800000));
-                    u32 ok = !mine || isfinite(v);
+                    float v[FM_SCORERS];
+                    bool ok = true;
 #pragma unroll
-                    for (u32 o = 1; o < 4; o <<= 1) {
-                        const float y = __shfl_xor_sync(KVS_FULL_MASK, x, o);
-                        x = mean ? x + y : fmaxf(x, y);
-                        ok &= __shfl_xor_sync(KVS_FULL_MASK, ok, o);
+                    for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
+                        const float si = hs[sc][2 * h] + hs[sc][2 * h + 1];
+                        v[sc] = fast ? si * c[h][sc] : scaled_sum(si, scales[h], E[sc]);
+                        ok &= isfinite(v[sc]);
                     }
-                    ens[h] = mean ? x * (1.f / FM_SCORERS) : x;
+                    float x;
+                    if (mean) {
+                        float pair[(FM_SCORERS + 1) / 2];
+#pragma unroll
+                        for (u32 p = 0; p < (FM_SCORERS + 1) / 2; ++p) pair[p] = 2 * p + 1 < FM_SCORERS ? v[2 * p] + v[2 * p + 1] : v[2 * p];
+                        x = pair[0];
+#pragma unroll
+                        for (u32 p = 1; p < (FM_SCORERS + 1) / 2; ++p) x += pair[p];
+                        x *= 1.f / FM_SCORERS;
+                    } else {
+                        x = v[0];
+#pragma unroll
+                        for (u32 sc = 1; sc < FM_SCORERS; ++sc) x = fmaxf(x, v[sc]);
+                    }
+                    ens[h] = x;
                     finite[h] = finite[h] && ok;
                 }
             }
@@ -882,7 +878,13 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
                     [&](u32 h, u32 s, float si) { return scaled_sum(si, scales[h], E[s]); }, mean, ens, finite);
 #endif
 #pragma unroll
-            for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], lane, S, sh_hist, bad, bad_chunk);
+#ifdef FM_Q8_TC
+            // Every lane of the quad holds both rows' scores: lane 0 files
+            // row ra, lane 1 row rb, side by side.
+            for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], (lane & 3u) == h, S, sh_hist, bad, bad_chunk);
+#else
+            for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], (lane & 3u) == 0, S, sh_hist, bad, bad_chunk);
+#endif
         }
         TR(8);
     }
