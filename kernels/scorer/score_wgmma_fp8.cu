@@ -433,6 +433,11 @@ __device__ __forceinline__ u32 bf16x2(float lo, float hi) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+__device__ __forceinline__ u16 bf16_bits(float x) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+}
 // B fragment value of the head-sum MMA: column n (the weight's hi part for
 // even n, its lo part for odd n) of K row `col`, from that column's weight w.
 __device__ __forceinline__ float tc_weight(u32 n, float w) {
@@ -529,18 +534,21 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
     CT_EXIT(8);
     extern __shared__ u8 wg_smem_raw[];
     __shared__ __align__(16) u32 sh_hist[FM_HIST];
-    // w_h * 2^(e_h - E) of each (scorer, head) column, in wq_at's order: the
-    // four weights a thread needs for n-tiles 2m and 2m + 1 side by side (one
-    // 16-byte load instead of two 8-byte ones).
-    __shared__ __align__(16) float sh_w[FM_QROWS];
     __shared__ int sh_e[FM_QROWS];
     __shared__ int sh_E[FM_SCORERS];
+    __shared__ int sh_Emax[FM_SCORERS];  // the largest e of each scorer's heads with a finite, non-zero q
+    // The head weights w_h * 2^(e_h - E) of each (scorer, head) column: as
+    // the head-sum MMA's B (bf16 hi and lo parts), or for the FMA path in
+    // wq_at's order (the four weights a thread needs for n-tiles 2m and
+    // 2m + 1 side by side: one 16-byte load instead of two 8-byte ones).
 #ifdef FM_Q8_TC
 #ifdef FM_Q8_WGHS
     __shared__ __align__(128) u32 sh_wt[FM_QROWS / 8][8][4];  // [K / 8][column][K % 8 pairs]: bf16x2 head weights
 #else
     __shared__ uint2 sh_wb[FM_QROWS / 16][32];  // the head-sum MMA's B fragment per k-step and lane
 #endif
+#else
+    __shared__ __align__(16) float sh_w[FM_QROWS];
 #endif
     __shared__ float sh_p2E[FM_SCORERS];  // 2^E where that is a normal float, else 0 (no fast path)
     TR_SHARED
@@ -602,10 +610,12 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
         qv[j][1] = src[1];
     }
     for (u32 i = threadIdx.x; i < FM_HIST; i += GT) sh_hist[i] = 0;
+    if (threadIdx.x < FM_SCORERS) sh_Emax[threadIdx.x] = WG8Q_ZERO_HEAD;
     float w_mine[(FM_QROWS + GT - 1) / GT];
 #pragma unroll
     for (u32 j = 0; j * GT < FM_QROWS; ++j)
         w_mine[j] = threadIdx.x + j * GT < FM_QROWS ? S.w[threadIdx.x + j * GT] : 0.f;
+    __syncthreads();  // sh_Emax set before the heads' atomicMax below (Q's loads are in flight)
 #ifdef FM_TRACE
     asm volatile("" ::"r"(qv[0][0].x));  // waits for the first load
 #endif
@@ -641,26 +651,24 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
             // The lane's 16 bytes: 16-byte chunk qlane of the swizzled row.
             *(uint4*)(sh_q + r * 128u + ((qlane ^ (r & 7u)) << 4)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
             // A non-finite head is marked: its weight becomes NaN below.
-            if (qlane == 0) sh_e[r] = !finite ? WG8Q_BAD_HEAD : (amax_bits == 0 ? WG8Q_ZERO_HEAD : e);
+            if (qlane == 0) {
+                sh_e[r] = !finite ? WG8Q_BAD_HEAD : (amax_bits == 0 ? WG8Q_ZERO_HEAD : e);
+                if (finite && amax_bits != 0) atomicMax(&sh_Emax[r / FM_HEADS], e);
+            }
         }
     }
     TR(1);
     __syncthreads();
     // E of each scorer: its heads' largest e (0 when every head is zero).
-    for (u32 sc = warp; sc < FM_SCORERS; sc += WARPS) {
-        int m = WG8Q_ZERO_HEAD;
-        for (u32 h = lane; h < FM_HEADS; h += 32) {
-            const int e = sh_e[sc * FM_HEADS + h];
-            if (e != WG8Q_BAD_HEAD) m = max(m, e);
-        }
-        m = __reduce_max_sync(KVS_FULL_MASK, m);
-        if (lane == 0) {
-            const int E = m == WG8Q_ZERO_HEAD ? 0 : m;
-            sh_E[sc] = E;
-            sh_p2E[sc] = E >= -126 && E <= 127 ? __int_as_float((127 + E) << 23) : 0.f;
-        }
+    auto scorer_E = [&](u32 sc) {
+        const int m = sh_Emax[sc];
+        return m == WG8Q_ZERO_HEAD ? 0 : m;
+    };
+    if (threadIdx.x < FM_SCORERS) {
+        const int E = scorer_E(threadIdx.x);
+        sh_E[threadIdx.x] = E;
+        sh_p2E[threadIdx.x] = E >= -126 && E <= 127 ? __int_as_float((127 + E) << 23) : 0.f;
     }
-    __syncthreads();
 #pragma unroll
     for (u32 j = 0; j * GT < FM_QROWS; ++j) {
         const u32 i = threadIdx.x + j * GT;
@@ -674,36 +682,33 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
             if (e == WG8Q_BAD_HEAD) wi = __int_as_float(0x7fc00000);
             else if (e == WG8Q_ZERO_HEAD) wi = 0.f;
             else {
-                const int de = e - sh_E[i / FM_HEADS];  // <= 0
+                const int de = e - scorer_E(i / FM_HEADS);  // <= 0
                 wi = de >= -126 ? w_mine[j] * __int_as_float((127 + de) << 23) : scalbnf(w_mine[j], de);
             }
+#ifdef FM_Q8_TC
+            // Column i's weight as the head-sum MMA's B, in all 8 of its
+            // columns (hi in the even ones, lo in the odd ones): K row i is
+            // bf16 half i % 2 of a pair.
+            const u16 hl[2] = {bf16_bits(tc_weight(0, wi)), bf16_bits(tc_weight(1, wi))};
+#ifdef FM_Q8_WGHS
+            // gmma_desc_plain's layout: [K / 8][column][K % 8 pairs].
+#pragma unroll
+            for (u32 nc = 0; nc < 8; ++nc) ((u16*)&sh_wt[i / 8][nc][(i % 8) / 2])[i % 2] = hl[nc % 2];
+#else
+            // m16n8k16 B fragments: lane l holds column l / 4 at K rows
+            // 2 (l % 4) + {0, 1} (.x) and + 8, + 9 (.y) of each k-step.
+            const u32 o = i % 16;
+#pragma unroll
+            for (u32 nc = 0; nc < 8; ++nc) ((u16*)&sh_wb[i / 16][4 * nc + (o % 8) / 2])[(o / 8) * 2 + o % 2] = hl[nc % 2];
+#endif
+#else
             sh_w[wq_at(i)] = wi;
+#endif
         }
     }
     for (u32 i = 1; i < WG_STAGES - 1; ++i) issue(i);
-    fence_async_smem();  // Q (generic stores) -> tensor-core reads
+    fence_async_smem();  // Q and the head weights (generic stores) -> tensor-core reads
     __syncthreads();
-#ifdef FM_Q8_TC
-#ifdef FM_Q8_WGHS
-    // The head-sum wgmmas' B: column n, K rows 2j and 2j + 1 as one bf16
-    // pair, in gmma_desc_plain's layout; weights from sh_w.
-    for (u32 i = threadIdx.x; i < FM_QROWS / 2 * 8; i += GT) {
-        const u32 n = i % 8, col = 2 * (i / 8);
-        auto w = [&](u32 c) { return tc_weight(n, sh_w[wq_at(c)]); };
-        sh_wt[col / 8][n][(col % 8) / 2] = bf16x2(w(col), w(col + 1));
-    }
-    fence_async_smem();  // generic stores -> the head-sum wgmmas' reads
-#else
-    // B fragments (m16n8k16, col): lane l holds column l / 4 at K rows
-    // 2 (l % 4) + {0, 1} and + 8, + 9 of each k-step; weights from sh_w.
-    for (u32 i = threadIdx.x; i < FM_QROWS / 16 * 32; i += GT) {
-        const u32 k = i / 32, l = i % 32, n = l / 4, c0 = 16 * k + 2 * (l % 4);
-        auto w = [&](u32 col) { return tc_weight(n, sh_w[wq_at(col)]); };
-        sh_wb[k][l] = make_uint2(bf16x2(w(c0), w(c0 + 1)), bf16x2(w(c0 + 8), w(c0 + 9)));
-    }
-#endif
-    __syncthreads();
-#endif
     // E per scorer, and 2^E as a float where that is a normal number (else 0,
     // which keeps every row of the scorer off the one-multiply path below),
     // read from shared memory where used: with 4 scorers, register copies
