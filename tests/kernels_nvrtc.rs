@@ -50,14 +50,15 @@ fn every_kernel_compiles() {
     // head sums (-DFM_Q8_FMA_HEADSUM; 8 scorers take them by default) and
     // its mma.sync head sums at 192 query rows (-DFM_Q8_HMMA_HEADSUM). The
     // default build's tensor-core head sums at 1, 2 and 4 scorers (4, 2 and
-    // 4 head-sum k-steps per scorer).
-    let dev: [(&str, (u32, u32, u32)); 9] = [
+    // 4 head-sum k-steps per scorer) and the wgmma ones at 4 x 48 (3 k-steps).
+    let dev: [(&str, (u32, u32, u32)); 10] = [
         ("-DFM_TRACE -DFM_OTRACE", (3, 64, 128)),
         ("-DFM_CTRACE", (3, 64, 128)),
         ("-DFM_Q8_FMA_HEADSUM", (3, 64, 128)),
         ("-DFM_Q8_FMA_HEADSUM", (4, 64, 128)),
         ("-DFM_Q8_HMMA_HEADSUM", (3, 64, 128)),
         ("", (2, 32, 128)),
+        ("", (4, 48, 128)),
         ("", (1, 64, 128)),
         ("", (4, 64, 128)),
         ("", (8, 8, 128)),

@@ -389,13 +389,15 @@ fn cuda_scorer_matches_reference_on_random_inputs() {
     // heads whose Q is not a whole number of passes of the fp8 kernel's
     // threads, two more for fm_score_wg_fp8q (128-dim heads: 64 Q rows, a
     // partial pass of its quarter-warp rows; 4 scorers, 256 rows, its
-    // register-limited build), and two that take the mma.sync kernel
-    // everywhere.
+    // register-limited build; 4 x 48, 192 rows: its wgmma head sums at 3
+    // k-steps per scorer, not the benchmark's 4), and two that take the
+    // mma.sync kernel everywhere.
     let shapes = [
         (BENCH_SHAPE, WeightDtype::Bf16),
         ((2, 64, 64, 256), WeightDtype::Bf16),
         ((1, 64, 128, 128), WeightDtype::Bf16),
         ((4, 64, 128, 128), WeightDtype::F16),
+        ((4, 48, 128, 128), WeightDtype::Bf16),
         ((2, 16, 64, 256), WeightDtype::F32),
         ((1, 8, 128, 64), WeightDtype::F16),
     ];

@@ -156,8 +156,10 @@ __device__ __forceinline__ float scaled_sum(float si, float scale, int E) {
 }
 
 // Monotone map of a float to u32: a < b  <=>  key(a) < key(b) (NaN excluded).
+// -0 maps to +0's key: the two zeros are equal scores, which rank by chunk
+// id (the reference's order, src/scorer/topk.rs), not by sign.
 __device__ __forceinline__ u32 sort_key(float f) {
-    const u32 x = __float_as_uint(f);
+    const u32 b = __float_as_uint(f), x = b == 0x80000000u ? 0u : b;
     return (x & 0x80000000u) ? ~x : (x | 0x80000000u);
 }
 

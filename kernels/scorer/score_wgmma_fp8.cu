@@ -388,11 +388,12 @@ __device__ __forceinline__ float2 wq_weights(const float* sh_w, u32 lane, u32 j)
     return (j & 1u) ? make_float2(w4.z, w4.w) : make_float2(w4.x, w4.y);
 }
 
-// FM_Q8_TC: the tensor-core head sums, where the hi and lo columns of every
-// scorer fit the MMA's 8 columns (up to 4 scorers); other shapes, and
-// -DFM_Q8_FMA_HEADSUM (development: to time the two side by side), keep the
-// FMA path.
-#if !defined(FM_Q8_FMA_HEADSUM) && FM_SCORERS <= 4
+// FM_Q8_TC: the tensor-core head sums, where every k-step of 16 (scorer,
+// head) columns lies within one scorer (FM_HEADS a multiple of 16) and each
+// scorer's 4 accumulators fit the register budget (up to 4 scorers); other
+// shapes, and -DFM_Q8_FMA_HEADSUM (development: to time the two side by
+// side), keep the FMA path.
+#if !defined(FM_Q8_FMA_HEADSUM) && FM_SCORERS <= 4 && FM_HEADS % 16 == 0
 #define FM_Q8_TC 1
 #endif
 // FM_Q8_WGHS: at 192 query rows the head sums are wgmma m64n8k16 with A
@@ -421,16 +422,10 @@ __device__ __forceinline__ float2 wq_weights(const float* sh_w, u32 lane, u32 j)
 // relu(x) (<= u = 2^-8 relative) and of the weights (<= 2^-15 after the
 // hi/lo split), within the GPU-vs-reference tolerance's 2u = 2^-7
 // (tests/scorer_gpu.rs), of which it takes half.
-static_assert(FM_HEADS % 16 == 0, "a head-sum k-step of 16 columns holds one scorer's heads");
 #define FM_Q8_KSTEPS (FM_HEADS / 16)  // head-sum k-steps per scorer
 __device__ __forceinline__ u32 relu_bf16x2(float lo, float hi) {
     u32 r;
     asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ u32 bf16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
 __device__ __forceinline__ u16 bf16_bits(float x) {
@@ -438,12 +433,12 @@ __device__ __forceinline__ u16 bf16_bits(float x) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
     return r;
 }
-// B fragment value of the head-sum MMA: column n (the weight's hi part for
-// even n, its lo part for odd n) of K row `col`, from that column's weight w.
+// B value of the head-sum MMA in column n of a weight w's K row: w's hi
+// part for even n, its lo part for odd n.
 __device__ __forceinline__ float tc_weight(u32 n, float w) {
     // hi by truncation (rounding could carry a weight near the f32 maximum
     // to Inf, and 0 * Inf is NaN); w - hi is exact, |w - hi| < 2^-7 |w|, and
-    // rounded to bf16 when packed. A NaN weight stays NaN in hi or lo.
+    // rounded to bf16 by bf16_bits. A NaN weight stays NaN in hi or lo.
     const float hi = __uint_as_float(__float_as_uint(w) & 0xffff0000u);
     return n % 2 == 0 ? hi : w - hi;
 }
@@ -802,7 +797,8 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
 #ifdef FM_Q8_TC
             // hs[s]: scorer s's hi and lo head sums of this lane's rows ra
             // (hs[s][0], hs[s][1]) and rb (hs[s][2], hs[s][3]); k-step k
-            // is scorer k / FM_Q8_KSTEPS's, the first of each overwrites.
+            // is scorer k / FM_Q8_KSTEPS's (wgmma: the first of each
+            // overwrites; mma.sync: zeroed first).
             float hs[FM_SCORERS][4];
 #ifdef FM_Q8_WGHS
             // Every warp of the warpgroup (wgmma is collective), whichever
