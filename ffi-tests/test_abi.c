@@ -2902,6 +2902,16 @@ static void test_fm_scoring(const char *ckpt) {
     CHECK(info.query == KVSWAP_FM_QUERY_WIDE);
     group_done("fm_scorer_set_query: auto by default, wide on request, a bad value and NULL refused (unchanged)");
 
+    /* fm_scorer_set_sync: 0 or 1 (on the CPU, which reports errors at once,
+     * either changes nothing: a NaN hidden value is still returned by the
+     * call); anything else and NULL refused. */
+    CHECK_ERR(fm_scorer_set_sync(s, 2), KVSWAP_STATUS_INVALID_ARGUMENT, "sync = 2: expected 0 or 1");
+    CHECK_MSG("fm_scorer_set_sync");
+    CHECK_ERR(fm_scorer_set_sync(NULL, 0), KVSWAP_STATUS_NULL_POINTER, "scorer");
+    CHECK_OK(fm_scorer_set_sync(s, 0));
+    CHECK_OK(fm_scorer_set_sync(s, 1));
+    group_done("fm_scorer_set_sync: 0 and 1 accepted, a bad value and NULL refused");
+
     /* KVSWAP_FM_QUERY, read by fm_scorer_load: a bad value is refused
      * naming it (out untouched), `wide` is the loaded scorer's default. */
     CHECK(setenv("KVSWAP_FM_QUERY", "bogus", 1) == 0);
@@ -3544,6 +3554,14 @@ static void test_fm_bounds(void) {
         CHECK_ERR(fm_bounds_topk(0, q, lo, hi, dim, nc, 8, out, NULL), KVSWAP_STATUS_NO_DEVICE, "CUDA");
         CHECK_MSG("fm_bounds_topk");
     }
+    /* fm_bounds_set_sync: 0 or 1; -1 (the CPU) accepted; the device is not
+     * opened by it (a CUDA build stores the setting for device 5 whether or
+     * not there is one; 1 is what an unset KVSWAP_SYNC gives). */
+    CHECK_ERR(fm_bounds_set_sync(-1, 2), KVSWAP_STATUS_INVALID_ARGUMENT, "sync = 2: expected 0 or 1");
+    CHECK_MSG("fm_bounds_set_sync");
+    CHECK_ERR(fm_bounds_set_sync(-2, 1), KVSWAP_STATUS_INVALID_ARGUMENT, "device = -2");
+    CHECK_OK(fm_bounds_set_sync(-1, 0));
+    CHECK_OK(fm_bounds_set_sync(5, 1));
     /* Values: NaN query, Inf bound, min above max (the CPU checks them all first). */
     float *q_bad = (float *)malloc(dim * sizeof(float)), *lo_bad = (float *)malloc(nc * dim * sizeof(float));
     CHECK(q_bad && lo_bad);
@@ -3590,6 +3608,19 @@ static void test_fm_bounds(void) {
         CHECK_OK(fm_bounds_sync(0, dm_stream()));
         bounds_vs_ref("CUDA bounds, KVSWAP_SYNC=0, after fm_bounds_sync", 0, q, lo, hi, dim, nc, 8);
         CHECK(unsetenv("KVSWAP_SYNC") == 0);
+        /* The same by fm_bounds_set_sync, with KVSWAP_SYNC unset (1): 0
+         * defers the error to fm_bounds_sync, then 1 returns it from the
+         * call (the setting stays 1, as an unset KVSWAP_SYNC). */
+        CHECK_OK(fm_bounds_set_sync(0, 0));
+        fill_i32(out, 8, FM_SENTINEL);
+        CHECK_OK(bounds_topk_on(0, q_bad, lo, hi, dim, nc, 8, out));
+        check_all("CUDA bounds with a NaN query, fm_bounds_set_sync(0, 0)", out, 8, -1);
+        CHECK_ERR(fm_bounds_sync(0, dm_stream()), KVSWAP_STATUS_INVALID_ARGUMENT, "non-finite");
+        CHECK_OK(fm_bounds_set_sync(0, 1));
+        fill_i32(out, 8, FM_SENTINEL);
+        CHECK_ERR(bounds_topk_on(0, q_bad, lo, hi, dim, nc, 8, out), KVSWAP_STATUS_INVALID_ARGUMENT, "non-finite");
+        check_all("CUDA bounds with a NaN query, fm_bounds_set_sync(0, 1)", out, 8, -1);
+        bounds_vs_ref("CUDA bounds, fm_bounds_set_sync(0, 1)", 0, q, lo, hi, dim, nc, 8);
     }
     CHECK_OK(fm_bounds_sync(-1, NULL)); /* the CPU reports at once */
 
@@ -3633,7 +3664,7 @@ static void test_fm_bounds(void) {
     fm_scorer_free(NULL); /* a no-op */
     group_done("fm_bounds_topk / fm_bounds_build refusals: k 0 / 2049, dim 0 / 65537, n_chunks 0, n_tokens 0, "
                "chunk_tokens 0, device -2, NULL pointers, bad dtype / stride / scales, NaN query, Inf bound, "
-               "min > max, NaN key, Inf scale: named, outputs untouched; fm_scorer_free(NULL)");
+               "min > max, NaN key, Inf scale: named, outputs untouched; fm_scorer_free(NULL); fm_bounds_set_sync 0 / 1 / a bad value / device -2");
     free(q_bad);
     free(lo_bad);
     free(lo);

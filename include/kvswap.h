@@ -175,8 +175,10 @@ typedef struct KvswapLayerSpec {
 // stream created at the same address is taken for the same stream.
 //
 // Calls that wait for the device (`KVSWAP_SYNC=1` calls, `kvswap_sync`,
-// `kvswap_layer_stats`, `fm_scorer_sync`) or allocate (`kvswap_create`, a
-// scorer's first call on a stream) must not run while another thread
+// `kvswap_layer_stats`, `fm_scorer_sync`, `fm_bounds_sync`) or allocate or
+// free device memory (`kvswap_create`, `kvswap_destroy`, `fm_scorer_load`,
+// `fm_scorer_free`, a scorer's or the bounds scorer's first call on a
+// stream or on a device, a call that grows a stream's workspace) must not run while another thread
 // captures in `cudaStreamCaptureModeGlobal`: CUDA invalidates that
 // capture. Capture in thread-local or relaxed mode, or make such calls
 // before or after it.
@@ -612,14 +614,16 @@ enum KvswapStatus kvswap_set_log_level(uint32_t level);
 // Loads a FlashMemory checkpoint (safetensors, format `flashmemory-v1`)
 // and writes a scorer handle to `*out`. `device` -1 scores on the CPU
 // (the reference); a CUDA ordinal >= 0 uploads the weights to that GPU (as
-// stored: bf16 stays bf16) and compiles the kernels for it
-// (`KVSWAP_STATUS_NO_DEVICE` without a driver or device;
+// stored: bf16 stays bf16; a checkpoint whose tensors differ in dtype is
+// uploaded as f32) and compiles the kernels for it
+// (`KVSWAP_STATUS_NO_DEVICE` without a driver, device or NVRTC;
 // `KVSWAP_STATUS_UNSUPPORTED` for a shape the CUDA kernels do not take:
 // head_dim 64/128/192/256, n_heads a multiple of 8 (of 64 above 64), hidden
 // a multiple of 8). On CUDA, `KVSWAP_SYNC` (default 1), read from the
 // environment here (the `fm_*` functions take no `KvswapConfig`; pass
 // `cfg.fm_ckpt` yourself), decides whether scoring calls wait for their
-// own errors (see `fm_scorer_sync`). On every backend `KVSWAP_FM_QUERY`
+// own errors (see `fm_scorer_sync`; `fm_scorer_set_sync` changes it
+// later, without the environment). On every backend `KVSWAP_FM_QUERY`
 // (`auto`, the default, or `wide`; see `fm_scorer_set_query`), also read
 // here, sets the query of fp8 keys, and `KVSWAP_FM_ENSEMBLE` (or
 // `POCKETLLM_GGUF_FLASHMEMORY_ENSEMBLE`), when set, the ensemble (`max` or
@@ -636,8 +640,9 @@ enum KvswapStatus kvswap_set_log_level(uint32_t level);
 // `device < -1`, a misaligned `out`, a bad `KVSWAP_FM_QUERY`,
 // `KVSWAP_FM_ENSEMBLE` or `KVSWAP_MEM_PROFILE` (or their aliases), or
 // (CUDA) a bad `KVSWAP_SYNC`;
-// `KVSWAP_STATUS_NO_DEVICE` for `device >= 0` without that CUDA device or
-// driver (or in a build without CUDA); `KVSWAP_STATUS_UNSUPPORTED` for a
+// `KVSWAP_STATUS_NO_DEVICE` for `device >= 0` without that CUDA device,
+// driver or NVRTC (libnvrtc.so.13) (or in a build without CUDA);
+// `KVSWAP_STATUS_UNSUPPORTED` for a
 // shape the CUDA kernels do not cover, a driver older than CUDA 12.3, or
 // an NVRTC of a newer CUDA major version than the driver;
 // `KVSWAP_STATUS_OUT_OF_MEMORY` when
@@ -646,12 +651,14 @@ enum KvswapStatus kvswap_set_log_level(uint32_t level);
 enum KvswapStatus fm_scorer_load(const char *path, int32_t device, struct FmScorer **out);
 
 // Frees a scorer. NULL is a no-op. No other call may use `scorer` during
-// or after this one, and no device work using it may still be pending.
+// or after this one, and no device work using it may still be pending; a
+// CUDA graph with calls of this scorer captured in it addresses its
+// weights and workspaces, so must not be launched after this.
 void fm_scorer_free(struct FmScorer *scorer);
 
 // Writes the shape and settings of a loaded scorer to `*out`.
 // Errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `scorer` or `out`),
-// `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `out`).
+// `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `scorer` or `out`).
 enum KvswapStatus fm_scorer_info(const struct FmScorer *scorer, struct FmScorerInfo *out);
 
 // Waits for `stream` and returns the error an earlier call on it recorded
@@ -680,24 +687,41 @@ enum KvswapStatus fm_scorer_info(const struct FmScorer *scorer, struct FmScorerI
 // this returns KVSWAP_STATUS_OK. A stream being captured is refused
 // (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the capture.
 // Errors besides the recorded one: `KVSWAP_STATUS_NULL_POINTER` (NULL
-// `scorer`); on CUDA `KVSWAP_STATUS_INVALID_ARGUMENT` for the NULL (legacy)
-// stream, `KVSWAP_STATUS_WRONG_DEVICE` for a stream of another device,
+// `scorer`), `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `scorer`); on
+// CUDA `KVSWAP_STATUS_INVALID_ARGUMENT` for the NULL (legacy) stream, `KVSWAP_STATUS_WRONG_DEVICE` for a stream of another device,
 // `KVSWAP_STATUS_DEVICE_ERROR` when the wait fails.
-enum KvswapStatus fm_scorer_sync(const struct FmScorer *scorer, KvswapStream stream);
+enum KvswapStatus fm_scorer_sync(const struct FmScorer *scorer,
+                                 KvswapStream stream);
 
 // Overrides the checkpoint's ensemble: `KVSWAP_ENSEMBLE_MAX` or
-// `KVSWAP_ENSEMBLE_MEAN`. Applies to calls that start after it returns.
+// `KVSWAP_ENSEMBLE_MEAN`. Applies to calls that start after it returns;
+// a CUDA graph keeps the setting of its capture (capture again).
 // Errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `scorer`),
-// `KVSWAP_STATUS_INVALID_ARGUMENT` (any other value).
+// `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `scorer`, any other value).
 enum KvswapStatus fm_scorer_set_ensemble(struct FmScorer *scorer, KvswapEnsemble ensemble);
 
 // Sets the query fp8 keys are scored with: `KVSWAP_FM_QUERY_AUTO` (the
 // fp8 query, the default) or `KVSWAP_FM_QUERY_WIDE` (q never quantized to
 // fp8). The default is `KVSWAP_FM_QUERY` (`auto` or `wide`), read by
-// `fm_scorer_load`. Applies to calls that start after it returns.
+// `fm_scorer_load`. Applies to calls that start after it returns; a CUDA
+// graph keeps the setting of its capture (capture again).
 // Errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `scorer`),
-// `KVSWAP_STATUS_INVALID_ARGUMENT` (any other value).
+// `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `scorer`, any other value).
 enum KvswapStatus fm_scorer_set_query(struct FmScorer *scorer, KvswapFmQuery query);
+
+// Sets whether later calls of `scorer` wait for the device and return
+// their own errors: 1 (`KVSWAP_SYNC=1`, the default) waits; 0 returns once
+// the work is queued (needed for capture in a CUDA graph), device errors
+// then reported by `fm_scorer_sync`. The default is `KVSWAP_SYNC`, read by
+// `fm_scorer_load`; this function lets an engine choose without setting
+// the environment. On the CPU backend, which always reports errors at
+// once, it changes nothing. Applies to calls that start after it returns;
+// a CUDA graph keeps the setting of its capture. Switching to 1 with an
+// error pending on a stream: the next call there returns that error.
+// Errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `scorer`),
+// `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `scorer`, a value other
+// than 0 or 1; the setting unchanged).
+enum KvswapStatus fm_scorer_set_sync(struct FmScorer *scorer, uint32_t sync);
 
 // Scores `n_chunks` chunks and writes the top-k chunk ids to
 // `out_indices[0 .. k)`: descending score, ties to the lower id, padded
@@ -740,7 +764,9 @@ enum KvswapStatus fm_scorer_set_query(struct FmScorer *scorer, KvswapFmQuery que
 // before capturing the stream, and not while another thread captures in
 // `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then): warm up
 // with the shape you will capture (for a batch, its launch groups' chunks
-// in all). A workspace (about 12 bytes per chunk, plus the projections of
+// in all). Such a call also waits for the stream, with either
+// `KVSWAP_SYNC` (the new workspace is cleared and an old one's pending
+// error moved over before the old one is freed). A workspace (about 12 bytes per chunk, plus the projections of
 // up to 64 sequences) stays until the scorer is freed, one per stream (and
 // per thread using `CU_STREAM_PER_THREAD`); it is keyed by the stream's
 // handle, so destroy a stream only once its scorer work has completed (a
@@ -751,9 +777,9 @@ enum KvswapStatus fm_scorer_set_query(struct FmScorer *scorer, KvswapFmQuery que
 // selection sorts scores into 4,096 bins (each a band 6-12% wide); when
 // the k-th score's bin and the bins above it hold more than 4,096 chunks
 // (scores crowded together), it narrows them in a slower path. On an H200
-// at 262,144 chunks and k = 512 that path added 32-41 us to the 34.5 us of
+// at 262,144 chunks and k = 512 that path added 32-40 us to the 34.1 us of
 // a scoring pass with q and w given (`kvswap bench --backend cuda
-// --scorer`, its "scores" table).
+// --scorer`, its "scores" table; README.md).
 //
 // Errors (nothing is written unless said otherwise):
 // - `KVSWAP_STATUS_NULL_POINTER`: `scorer`, `hidden`, `keys`, its `data`,
@@ -828,9 +854,10 @@ enum KvswapStatus fm_score_topk_batch(const struct FmScorer *scorer,
 // top-k as -1 and `fm_bounds_sync` returns the error). On CUDA each stream
 // gets a workspace (about 12 bytes per chunk of its largest call) for the
 // life of the process; it is allocated or grown by a call, not while the
-// stream is captured: warm up with the largest `n_chunks` first. On CUDA
-// each call reads `KVSWAP_SYNC` from the environment; calls with either
-// value share the device's error records, so an error a `KVSWAP_SYNC=0`
+// stream is captured: warm up with the largest `n_chunks` first (that call
+// waits for the stream). On CUDA each call reads `KVSWAP_SYNC` from the
+// environment unless `fm_bounds_set_sync` set the device's setting; calls
+// with either value share the device's error records, so an error a `KVSWAP_SYNC=0`
 // call left on a stream makes the later calls there write -1 until it is
 // returned, by `fm_bounds_sync` or by the next `KVSWAP_SYNC=1` call (an
 // error recorded by a graph captured before the stream's workspace grew
@@ -839,7 +866,11 @@ enum KvswapStatus fm_score_topk_batch(const struct FmScorer *scorer,
 // memory, streams, capture and devices), plus `KVSWAP_STATUS_INVALID_ARGUMENT`
 // for `device < -1`, a `dim` outside its range or (CUDA) a bad
 // `KVSWAP_SYNC`, and `KVSWAP_STATUS_NO_DEVICE` for a CUDA ordinal without
-// that device or driver (or in a build without CUDA).
+// that device, driver or NVRTC (or in a build without CUDA). The first call
+// on a device compiles the kernels for it: `KVSWAP_STATUS_UNSUPPORTED` for
+// a driver older than CUDA 12.3 or an NVRTC of a newer CUDA major version
+// than the driver, `KVSWAP_STATUS_DEVICE_ERROR` when NVRTC or the driver
+// fails.
 enum KvswapStatus fm_bounds_topk(int32_t device,
                                  const float *query,
                                  const float *bounds_min,
@@ -849,6 +880,20 @@ enum KvswapStatus fm_bounds_topk(int32_t device,
                                  uint32_t k,
                                  int32_t *out_indices,
                                  KvswapStream stream);
+
+// Sets whether later `fm_bounds_topk` calls on CUDA `device` wait for the
+// device and return their own errors: 1 waits, 0 returns once the work is
+// queued (capturable; errors then reported by `fm_bounds_sync`). Until it
+// is set for a device, each call there reads `KVSWAP_SYNC` (default 1), so
+// an engine need not set the environment. The setting is the process's,
+// for every stream and thread; a CUDA graph keeps the setting of its
+// capture. The device is not opened here (its first bounds call does so
+// and reports a missing device); `device` -1 (the CPU, which reports
+// errors at once) is accepted and changes nothing.
+// Errors: `KVSWAP_STATUS_INVALID_ARGUMENT` for `sync` other than 0 or 1,
+// or `device < -1`; `KVSWAP_STATUS_NO_DEVICE` for a CUDA ordinal in a
+// build without CUDA.
+enum KvswapStatus fm_bounds_set_sync(int32_t device, uint32_t sync);
 
 // Waits for `stream` and returns the error an earlier `fm_bounds_topk` on
 // `device` recorded on it with `KVSWAP_SYNC=0` (clearing it; until then

@@ -1100,6 +1100,19 @@ fn cuda_batch_errors_name_the_sequence_and_survive_growth() {
     check_topk(&got, &scores, &tol, k as usize, "after the reported error");
     assert_ne!(good, got, "two inputs, two results");
 
+    // fm_scorer_set_sync: the same scorer switched to waiting returns the
+    // error from the call, and back to not waiting defers it to sync.
+    lazy.set_sync(true);
+    hidden[3] = f32::NAN;
+    let e = gpu_topk(&d, &lazy, &hidden, &big, k).unwrap_err();
+    assert!(e.message.contains("scorer 0") && e.message.contains("position 3"), "set_sync(true): the call reports: {e}");
+    lazy.set_sync(false);
+    let got = gpu_topk(&d, &lazy, &hidden, &big, k).unwrap();
+    assert!(got.iter().all(|&x| x == -1), "set_sync(false): the failing call writes -1: {got:?}");
+    let e = lazy.sync(d.stream.0 as u64).unwrap_err();
+    assert!(e.message.contains("position 3"), "set_sync(false): sync reports: {e}");
+    hidden[3] = saved;
+
     // The batched projection's check past its first staged pass, in a later
     // group of 8: 20 sequences (groups at 0, 8, 16), a hidden size of 1,288
     // (passes of 1,024 + 264), Inf at sequence 17, scorer 1, position 1,100.

@@ -43,8 +43,10 @@ pub use scorer::*;
 /// stream created at the same address is taken for the same stream.
 ///
 /// Calls that wait for the device (`KVSWAP_SYNC=1` calls, `kvswap_sync`,
-/// `kvswap_layer_stats`, `fm_scorer_sync`) or allocate (`kvswap_create`, a
-/// scorer's first call on a stream) must not run while another thread
+/// `kvswap_layer_stats`, `fm_scorer_sync`, `fm_bounds_sync`) or allocate or
+/// free device memory (`kvswap_create`, `kvswap_destroy`, `fm_scorer_load`,
+/// `fm_scorer_free`, a scorer's or the bounds scorer's first call on a
+/// stream or on a device, a call that grows a stream's workspace) must not run while another thread
 /// captures in `cudaStreamCaptureModeGlobal`: CUDA invalidates that
 /// capture. Capture in thread-local or relaxed mode, or make such calls
 /// before or after it.

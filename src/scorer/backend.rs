@@ -135,6 +135,10 @@ pub trait ScorerBackend: Send + Sync {
     fn sync_errors(&self, _stream: StreamHandle) -> Result<()> {
         Ok(())
     }
+
+    /// Whether later calls wait for the device and return their own errors
+    /// (a device backend; the CPU always reports at once).
+    fn set_sync(&self, _sync: bool) {}
 }
 
 /// Scores chunks by their key bounds (training-free) and writes the top-k.
@@ -190,10 +194,45 @@ pub fn cuda_scorer(ckpt: Arc<Checkpoint>, device: i32, sync: Option<bool>) -> Re
     Ok(Box::new(crate::backend::cuda::scorer::CudaScorer::new(&ckpt, device, sync)?))
 }
 
+/// The sync setting of each CUDA device's bounds calls set by
+/// [`set_bounds_sync`]; a device without one takes `KVSWAP_SYNC` per call.
+#[cfg(feature = "cuda")]
+static BOUNDS_SYNC: std::sync::Mutex<Vec<(i32, bool)>> = std::sync::Mutex::new(Vec::new());
+
+/// Sets (Some) or clears (None: back to `KVSWAP_SYNC`, read per call)
+/// whether the bounds calls on CUDA `device` wait and return their own
+/// errors. The device is not opened here.
+#[cfg(feature = "cuda")]
+pub fn set_bounds_sync(device: i32, sync: Option<bool>) -> Result<()> {
+    super::args::check_device(device)?;
+    if device >= 0 {
+        let mut all = BOUNDS_SYNC.lock().unwrap_or_else(|p| p.into_inner());
+        all.retain(|&(d, _)| d != device);
+        if let Some(s) = sync {
+            all.push((device, s));
+        }
+    }
+    Ok(())
+}
+
+/// Without the `cuda` feature a device ordinal is `KVSWAP_STATUS_NO_DEVICE`.
+#[cfg(not(feature = "cuda"))]
+pub fn set_bounds_sync(device: i32, _sync: Option<bool>) -> Result<()> {
+    super::args::check_device(device)?;
+    if device >= 0 {
+        return Err(no_cuda_scorer(device));
+    }
+    Ok(())
+}
+
 /// The CUDA bounds scorer of `device` (one per device and process).
 #[cfg(feature = "cuda")]
 pub fn cuda_bounds(device: i32) -> Result<Box<dyn BoundsBackend>> {
-    let sync = sync_setting()?;
+    let set = BOUNDS_SYNC.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|&&(d, _)| d == device).map(|&(_, s)| s);
+    let sync = match set {
+        Some(s) => s,
+        None => sync_setting()?,
+    };
     let b = crate::backend::cuda::scorer::CudaBounds::get(device)?;
     Ok(Box::new(crate::backend::cuda::scorer::CudaBoundsHandle(b, sync)))
 }

@@ -173,6 +173,13 @@ impl Scorer {
         self.fp8_query.store(q == Query::Auto, Ordering::Relaxed);
     }
 
+    /// Whether later CUDA calls wait for the device and return their own
+    /// errors (the default is `KVSWAP_SYNC`'s, read when the scorer is
+    /// opened, or [`Scorer::with_sync`]'s); the CPU always reports at once.
+    pub fn set_sync(&self, sync: bool) {
+        self.backend.set_sync(sync);
+    }
+
     /// The ensemble and query of the next call.
     pub fn mode(&self) -> ScoreMode {
         ScoreMode { ensemble: self.ensemble(), fp8_query: self.fp8_query.load(Ordering::Relaxed) }
@@ -233,6 +240,14 @@ pub unsafe fn bounds_topk(device: i32, b: &BoundsRef, k: u32, stream: StreamHand
     let backend = backend::open_bounds(device)?;
     // SAFETY: arguments checked above; memory validity is the caller's promise.
     unsafe { backend.bounds_topk(b, k as usize, stream) }
+}
+
+/// Sets (Some) or clears (None: back to `KVSWAP_SYNC`, read per call)
+/// whether the bounds calls on CUDA `device` wait and return their own
+/// errors; -1 (the CPU, which reports at once) is accepted and changes
+/// nothing.
+pub fn set_bounds_sync(device: i32, sync: Option<bool>) -> Result<()> {
+    backend::set_bounds_sync(device, sync)
 }
 
 /// Waits for `stream` and returns the error an earlier asynchronous

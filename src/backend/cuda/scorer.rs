@@ -486,7 +486,9 @@ pub struct CudaScorer {
     /// The Hopper wgmma kernels (fm_score_wg, fm_score_wg_bf16,
     /// fm_score_wg_fp8) rather than fm_score (mma.sync).
     wgmma: bool,
-    sync: bool,
+    /// Calls wait for the device and return their own errors
+    /// (`KVSWAP_SYNC` at load, then `set_sync`); read once per call.
+    sync: AtomicBool,
     workspaces: Workspaces,
     _module: Module,
     launch: Launch,
@@ -552,7 +554,10 @@ impl CudaScorer {
         // All tensors in one dtype (the stored one when they agree, else f32).
         let tensors: Vec<_> = ckpt.weight_tensors().collect();
         let dtype = if tensors.iter().all(|t| t.dtype == tensors[0].dtype) { tensors[0].dtype } else { WeightDtype::F32 };
-        let mut image: Vec<u8> = Vec::with_capacity(ckpt.weight_bytes() as usize * if dtype == tensors[0].dtype { 1 } else { 2 });
+        // The upload's host image (at most twice the stored bytes: 16-bit
+        // tensors widened to f32), or OUT_OF_MEMORY rather than an abort.
+        let mut image: Vec<u8> =
+            crate::error::try_vec(ckpt.weight_bytes() as usize * if dtype == tensors[0].dtype { 1 } else { 2 }, "the scorer weights' upload image")?;
         for i in 0..s {
             let (wq, ww) = ckpt.tensors(i);
             for t in [wq, ww] {
@@ -721,7 +726,7 @@ impl CudaScorer {
             score_tile,
             score_threads,
             wgmma,
-            sync,
+            sync: AtomicBool::new(sync),
             workspaces: Workspaces::default(),
             _module: module,
             launch: Launch { device: dev, pdl },
@@ -788,8 +793,11 @@ impl CudaScorer {
         let _g = dev.bind()?;
         let s = check_stream(dev, stream)?;
         let capturing = driver::is_capturing(s)?;
-        if self.sync && capturing {
-            return Err(Error::invalid("KVSWAP_SYNC=1 waits for the device and cannot be captured in a CUDA graph; use KVSWAP_SYNC=0"));
+        let sync = self.sync.load(Ordering::Relaxed);
+        if sync && capturing {
+            return Err(Error::invalid(
+                "KVSWAP_SYNC=1 waits for the device and cannot be captured in a CUDA graph; use KVSWAP_SYNC=0 or fm_scorer_set_sync(scorer, 0)",
+            ));
         }
         let mut strides = Vec::with_capacity(seqs.len());
         for (i, q) in seqs.iter().enumerate() {
@@ -969,7 +977,7 @@ impl CudaScorer {
             }
             return Err(e);
         }
-        if self.sync {
+        if sync {
             driver::stream_sync(s)?;
             ws.take_error(s)?;
         }
@@ -1107,6 +1115,9 @@ impl ScorerBackend for CudaScorer {
     }
     fn sync_errors(&self, stream: StreamHandle) -> Result<()> {
         CudaScorer::sync_errors(self, stream)
+    }
+    fn set_sync(&self, sync: bool) {
+        self.sync.store(sync, Ordering::Relaxed);
     }
 }
 
