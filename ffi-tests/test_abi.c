@@ -2902,9 +2902,8 @@ static void test_fm_scoring(const char *ckpt) {
     CHECK(info.query == KVSWAP_FM_QUERY_WIDE);
     group_done("fm_scorer_set_query: auto by default, wide on request, a bad value and NULL refused (unchanged)");
 
-    /* fm_scorer_set_sync: 0 or 1 (on the CPU, which reports errors at once,
-     * either changes nothing: a NaN hidden value is still returned by the
-     * call); anything else and NULL refused. */
+    /* fm_scorer_set_sync's arguments: 0 or 1; anything else and NULL
+     * refused (what it does: with the NaN tests below). */
     CHECK_ERR(fm_scorer_set_sync(s, 2), KVSWAP_STATUS_INVALID_ARGUMENT, "sync = 2: expected 0 or 1");
     CHECK_MSG("fm_scorer_set_sync");
     CHECK_ERR(fm_scorer_set_sync(NULL, 0), KVSWAP_STATUS_NULL_POINTER, "scorer");
@@ -3214,13 +3213,33 @@ static void test_fm_scoring(const char *ckpt) {
     CHECK_OK(fm_scorer_sync(async, dm_stream())); /* reported once */
     fm_topk_vs_ref("KVSWAP_SYNC=0", async, hidden, hn, &kb, 16, KVSWAP_ENSEMBLE_MAX, out);
     CHECK_OK(fm_scorer_sync(async, dm_stream()));
+    /* fm_scorer_set_sync on that scorer: 1 returns the error from the call
+     * (-1 written on CUDA), 0 defers it to fm_scorer_sync again; the CPU
+     * reports at once either way. */
+    CHECK_OK(fm_scorer_set_sync(async, 1));
+    fill_i32(out, 16, FM_SENTINEL);
+    CHECK_ERR(fm_topk(async, bad, hn, &kb, n, 16, out), KVSWAP_STATUS_INVALID_ARGUMENT, "hidden");
+    check_all("NaN hidden, fm_scorer_set_sync(1)", out, 16, after_bad);
+    CHECK_OK(fm_scorer_sync(async, dm_stream()));
+    CHECK_OK(fm_scorer_set_sync(async, 0));
+    fill_i32(out, 16, FM_SENTINEL);
+    if (dm_is_cuda()) {
+        CHECK_OK(fm_topk(async, bad, hn, &kb, n, 16, out));
+        check_all("NaN hidden, fm_scorer_set_sync(0)", out, 16, -1);
+        CHECK_ERR(fm_scorer_sync(async, dm_stream()), KVSWAP_STATUS_INVALID_ARGUMENT, "hidden");
+    } else {
+        CHECK_ERR(fm_topk(async, bad, hn, &kb, n, 16, out), KVSWAP_STATUS_INVALID_ARGUMENT, "hidden");
+        check_all("NaN hidden, fm_scorer_set_sync(0)", out, 16, FM_SENTINEL);
+    }
+    CHECK_OK(fm_scorer_sync(async, dm_stream())); /* reported once */
     fm_scorer_free(async);
     group_done(dm_is_cuda() ? "fm_score_topk: NaN/Inf hidden, Inf key, fp8 NaN key -> INVALID_ARGUMENT "
                               "naming scorer/chunk, top-k written as -1, fm_scorer_sync OK after; KVSWAP_SYNC=0: the "
-                              "call returns OK and fm_scorer_sync reports the error once"
+                              "call returns OK and fm_scorer_sync reports the error once; so does "
+                              "fm_scorer_set_sync(0), and (1) returns it from the call"
                             : "fm_score_topk: NaN/Inf hidden, Inf key, fp8 NaN key -> INVALID_ARGUMENT "
                               "naming scorer/chunk and position, out untouched; fm_scorer_sync OK; KVSWAP_SYNC=0 "
-                              "changes nothing on the CPU");
+                              "and fm_scorer_set_sync change nothing on the CPU");
 
     /* Arguments: refused before anything is scored; out untouched. */
     {
@@ -3557,11 +3576,12 @@ static void test_fm_bounds(void) {
     /* fm_bounds_set_sync: 0 or 1; -1 (the CPU) accepted; the device is not
      * opened by it (a CUDA build stores the setting for device 5 whether or
      * not there is one; 1 is what an unset KVSWAP_SYNC gives). */
-    CHECK_ERR(fm_bounds_set_sync(-1, 2), KVSWAP_STATUS_INVALID_ARGUMENT, "sync = 2: expected 0 or 1");
+    CHECK_ERR(fm_bounds_set_sync(-1, 3), KVSWAP_STATUS_INVALID_ARGUMENT, "sync = 3: expected 0, 1 or 2");
     CHECK_MSG("fm_bounds_set_sync");
     CHECK_ERR(fm_bounds_set_sync(-2, 1), KVSWAP_STATUS_INVALID_ARGUMENT, "device = -2");
     CHECK_OK(fm_bounds_set_sync(-1, 0));
     CHECK_OK(fm_bounds_set_sync(5, 1));
+    CHECK_OK(fm_bounds_set_sync(5, 2)); /* back to KVSWAP_SYNC */
     /* Values: NaN query, Inf bound, min above max (the CPU checks them all first). */
     float *q_bad = (float *)malloc(dim * sizeof(float)), *lo_bad = (float *)malloc(nc * dim * sizeof(float));
     CHECK(q_bad && lo_bad);
@@ -3620,7 +3640,14 @@ static void test_fm_bounds(void) {
         fill_i32(out, 8, FM_SENTINEL);
         CHECK_ERR(bounds_topk_on(0, q_bad, lo, hi, dim, nc, 8, out), KVSWAP_STATUS_INVALID_ARGUMENT, "non-finite");
         check_all("CUDA bounds with a NaN query, fm_bounds_set_sync(0, 1)", out, 8, -1);
+        CHECK_OK(fm_bounds_sync(0, dm_stream())); /* reported by the call */
         bounds_vs_ref("CUDA bounds, fm_bounds_set_sync(0, 1)", 0, q, lo, hi, dim, nc, 8);
+        /* 2: back to KVSWAP_SYNC, here 0 again: the call defers. */
+        CHECK_OK(fm_bounds_set_sync(0, 2));
+        CHECK(setenv("KVSWAP_SYNC", "0", 1) == 0);
+        CHECK_OK(bounds_topk_on(0, q_bad, lo, hi, dim, nc, 8, out));
+        CHECK_ERR(fm_bounds_sync(0, dm_stream()), KVSWAP_STATUS_INVALID_ARGUMENT, "non-finite");
+        CHECK(unsetenv("KVSWAP_SYNC") == 0);
     }
     CHECK_OK(fm_bounds_sync(-1, NULL)); /* the CPU reports at once */
 
@@ -3664,7 +3691,7 @@ static void test_fm_bounds(void) {
     fm_scorer_free(NULL); /* a no-op */
     group_done("fm_bounds_topk / fm_bounds_build refusals: k 0 / 2049, dim 0 / 65537, n_chunks 0, n_tokens 0, "
                "chunk_tokens 0, device -2, NULL pointers, bad dtype / stride / scales, NaN query, Inf bound, "
-               "min > max, NaN key, Inf scale: named, outputs untouched; fm_scorer_free(NULL); fm_bounds_set_sync 0 / 1 / a bad value / device -2");
+               "min > max, NaN key, Inf scale: named, outputs untouched; fm_scorer_free(NULL); fm_bounds_set_sync 0 / 1 / 2 / a bad value / device -2");
     free(q_bad);
     free(lo_bad);
     free(lo);

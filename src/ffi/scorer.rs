@@ -205,8 +205,9 @@ pub extern "C" fn fm_scorer_info(scorer: *const FmScorer, out: *mut FmScorerInfo
 }
 
 /// Waits for `stream` and returns the error an earlier call on it recorded
-/// on the device, clearing it. With `KVSWAP_SYNC=0` on the CUDA backend a
-/// call does not wait: a NaN or infinite hidden value, key or scale then
+/// on the device, clearing it. With sync 0 (`KVSWAP_SYNC=0` at load or
+/// `fm_scorer_set_sync(scorer, 0)`) on the CUDA backend a call does not
+/// wait: a NaN or infinite hidden value, key or scale then
 /// writes the top-k as -1 and is reported here (also when it was recorded by
 /// a CUDA graph's replay). A graph's calls use the workspace of the stream
 /// they were captured on, whatever stream the graph is launched on (so two
@@ -294,7 +295,11 @@ pub extern "C" fn fm_scorer_set_query(scorer: *mut FmScorer, query: KvswapFmQuer
 /// the environment. On the CPU backend, which always reports errors at
 /// once, it changes nothing. Applies to calls that start after it returns;
 /// a CUDA graph keeps the setting of its capture. Switching to 1 with an
-/// error pending on a stream: the next call there returns that error.
+/// error pending on a stream: the next call there that gets past its
+/// argument checks returns it, if an earlier call on that stream recorded
+/// it in the stream's present workspace; an error recorded by a graph
+/// (captured on another stream, or before the stream's workspace grew) is
+/// returned by `fm_scorer_sync` only.
 /// Errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `scorer`),
 /// `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `scorer`, a value other
 /// than 0 or 1; the setting unchanged).
@@ -327,9 +332,10 @@ pub extern "C" fn fm_scorer_set_sync(scorer: *mut FmScorer, sync: u32) -> Kvswap
 /// the limit KVSWAP_STATUS_OUT_OF_RANGE. A NaN or Inf in `hidden`, the keys or the scales is
 /// `KVSWAP_STATUS_INVALID_ARGUMENT` naming the scorer/chunk and position.
 /// On the CUDA backend the values are checked on the device: the top-k is
-/// then written as -1 and the error is returned by this call with
-/// `KVSWAP_SYNC=1`, or by `fm_scorer_sync` with `KVSWAP_SYNC=0` (until then
-/// later calls on that stream also write -1).
+/// then written as -1 and the error is returned by this call with sync 1
+/// (`KVSWAP_SYNC=1`, the default, or `fm_scorer_set_sync`), or by
+/// `fm_scorer_sync` with sync 0 (until then later calls on that stream
+/// also write -1).
 ///
 /// `out_indices` may point into the index buffer of
 /// `kvswap_swap_in_selected`: with `out_indices = indices + window_len` and
@@ -367,7 +373,7 @@ pub extern "C" fn fm_scorer_set_sync(scorer: *mut FmScorer, sync: u32) -> Kvswap
 /// - `KVSWAP_STATUS_INVALID_ARGUMENT`: a zero size (above), a misaligned
 ///   pointer, an unknown key dtype or a bad `row_stride_bytes`, a NaN/Inf
 ///   value (above); on CUDA also host memory where device memory is
-///   expected, the NULL (legacy) stream, `KVSWAP_SYNC=1` on a stream being
+///   expected, the NULL (legacy) stream, sync 1 on a stream being
 ///   captured, a workspace that would have to grow during a capture, and a
 ///   score that overflows f32 (the CPU's f64 reference does not);
 /// - `KVSWAP_STATUS_OUT_OF_RANGE`: a size above its limit (above); on CUDA a
@@ -466,22 +472,23 @@ pub extern "C" fn fm_score_topk_batch(
 /// `KVSWAP_STATUS_INVALID_ARGUMENT`. `device` -1 runs on the CPU (host
 /// pointers, `stream` ignored); a CUDA ordinal runs on that GPU (device
 /// pointers, the engine's stream; values are checked on the device as for
-/// `fm_score_topk`: with `KVSWAP_SYNC=0` the call does not wait, writes the
-/// top-k as -1 and `fm_bounds_sync` returns the error). On CUDA each stream
+/// `fm_score_topk`: with sync 0 the call does not wait, writes the top-k as
+/// -1 and `fm_bounds_sync` returns the error). On CUDA each stream
 /// gets a workspace (about 12 bytes per chunk of its largest call) for the
 /// life of the process; it is allocated or grown by a call, not while the
 /// stream is captured: warm up with the largest `n_chunks` first (that call
-/// waits for the stream). On CUDA each call reads `KVSWAP_SYNC` from the
-/// environment unless `fm_bounds_set_sync` set the device's setting; calls
-/// with either value share the device's error records, so an error a `KVSWAP_SYNC=0`
-/// call left on a stream makes the later calls there write -1 until it is
-/// returned, by `fm_bounds_sync` or by the next `KVSWAP_SYNC=1` call (an
+/// waits for the stream). On CUDA the device's sync setting is the one
+/// `fm_bounds_set_sync` gave it, else each call reads `KVSWAP_SYNC` from
+/// the environment; calls with either value share the device's error
+/// records, so an error a sync 0 call left on a stream makes the later
+/// calls there write -1 until it is returned, by `fm_bounds_sync` or by the
+/// next sync 1 call there that gets past its argument checks (an
 /// error recorded by a graph captured before the stream's workspace grew
 /// is returned by `fm_bounds_sync` only).
 /// Errors: as `fm_score_topk` (NULL pointers, sizes, values, and on CUDA
 /// memory, streams, capture and devices), plus `KVSWAP_STATUS_INVALID_ARGUMENT`
-/// for `device < -1`, a `dim` outside its range or (CUDA) a bad
-/// `KVSWAP_SYNC`, and `KVSWAP_STATUS_NO_DEVICE` for a CUDA ordinal without
+/// for `device < -1`, a `dim` outside its range or (CUDA, with no
+/// `fm_bounds_set_sync` setting for the device) a bad `KVSWAP_SYNC`, and `KVSWAP_STATUS_NO_DEVICE` for a CUDA ordinal without
 /// that device, driver or NVRTC (or in a build without CUDA). The first call
 /// on a device compiles the kernels for it: `KVSWAP_STATUS_UNSUPPORTED` for
 /// a driver older than CUDA 12.3 or an NVRTC of a newer CUDA major version
@@ -517,30 +524,33 @@ pub extern "C" fn fm_bounds_topk(
 
 /// Sets whether later `fm_bounds_topk` calls on CUDA `device` wait for the
 /// device and return their own errors: 1 waits, 0 returns once the work is
-/// queued (capturable; errors then reported by `fm_bounds_sync`). Until it
-/// is set for a device, each call there reads `KVSWAP_SYNC` (default 1), so
-/// an engine need not set the environment. The setting is the process's,
-/// for every stream and thread; a CUDA graph keeps the setting of its
-/// capture. The device is not opened here (its first bounds call does so
-/// and reports a missing device); `device` -1 (the CPU, which reports
-/// errors at once) is accepted and changes nothing.
-/// Errors: `KVSWAP_STATUS_INVALID_ARGUMENT` for `sync` other than 0 or 1,
-/// or `device < -1`; `KVSWAP_STATUS_NO_DEVICE` for a CUDA ordinal in a
+/// queued (capturable; errors then reported by `fm_bounds_sync`), 2 returns
+/// the device to `KVSWAP_SYNC` (default 1), which each call there reads
+/// while the device has no setting, so an engine need not set the
+/// environment. The setting is the process's, for every stream and thread,
+/// until changed; a CUDA graph keeps the setting of its capture. The device
+/// is not opened here (its first bounds call does so and reports a missing
+/// device); `device` -1 (the CPU, which reports errors at once) is accepted
+/// and changes nothing.
+/// Errors: `KVSWAP_STATUS_INVALID_ARGUMENT` for `sync` other than 0, 1 or
+/// 2, or `device < -1`; `KVSWAP_STATUS_NO_DEVICE` for a CUDA ordinal in a
 /// build without CUDA.
 #[no_mangle]
 pub extern "C" fn fm_bounds_set_sync(device: i32, sync: u32) -> KvswapStatus {
     boundary("fm_bounds_set_sync", || {
         let s = match sync {
-            0 => false,
-            1 => true,
-            _ => return Err(Error::invalid(format!("sync = {sync}: expected 0 or 1"))),
+            0 => Some(false),
+            1 => Some(true),
+            2 => None,
+            _ => return Err(Error::invalid(format!("sync = {sync}: expected 0, 1 or 2 (KVSWAP_SYNC)"))),
         };
-        scorer::set_bounds_sync(device, Some(s))
+        scorer::set_bounds_sync(device, s)
     })
 }
 
 /// Waits for `stream` and returns the error an earlier `fm_bounds_topk` on
-/// `device` recorded on it with `KVSWAP_SYNC=0` (clearing it; until then
+/// `device` recorded on it with sync 0 (`KVSWAP_SYNC=0` or
+/// `fm_bounds_set_sync`; clearing it; until then
 /// later calls on that stream also write -1). `device` -1 (the CPU, which
 /// reports errors at once) returns KVSWAP_STATUS_OK. A stream being captured
 /// is refused (KVSWAP_STATUS_INVALID_ARGUMENT): the wait would end the

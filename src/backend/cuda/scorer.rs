@@ -554,10 +554,10 @@ impl CudaScorer {
         // All tensors in one dtype (the stored one when they agree, else f32).
         let tensors: Vec<_> = ckpt.weight_tensors().collect();
         let dtype = if tensors.iter().all(|t| t.dtype == tensors[0].dtype) { tensors[0].dtype } else { WeightDtype::F32 };
-        // The upload's host image (at most twice the stored bytes: 16-bit
-        // tensors widened to f32), or OUT_OF_MEMORY rather than an abort.
-        let mut image: Vec<u8> =
-            crate::error::try_vec(ckpt.weight_bytes() as usize * if dtype == tensors[0].dtype { 1 } else { 2 }, "the scorer weights' upload image")?;
+        // The upload's host image, exactly sized (16-bit tensors of a mixed
+        // checkpoint widened to f32), or OUT_OF_MEMORY rather than an abort.
+        let image_bytes = tensors.iter().map(|t| t.shape[0] * t.shape[1] * dtype.size()).sum();
+        let mut image: Vec<u8> = crate::error::try_vec(image_bytes, "the scorer weights' upload image")?;
         for i in 0..s {
             let (wq, ww) = ckpt.tensors(i);
             for t in [wq, ww] {
@@ -1217,7 +1217,9 @@ impl BoundsBackend for CudaBoundsHandle {
         let s = check_stream(dev, stream)?;
         let capturing = driver::is_capturing(s)?;
         if sync && capturing {
-            return Err(Error::invalid("KVSWAP_SYNC=1 cannot be captured in a CUDA graph; use KVSWAP_SYNC=0"));
+            return Err(Error::invalid(
+                "KVSWAP_SYNC=1 cannot be captured in a CUDA graph; use KVSWAP_SYNC=0 or fm_bounds_set_sync(device, 0)",
+            ));
         }
         let bytes = (b.n_chunks * b.dim * 4) as u64;
         check_device_ptr(dev, b.query, 4 * b.dim as u64, "query")?;
