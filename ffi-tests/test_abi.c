@@ -1038,8 +1038,22 @@ static void test_create_destroy_info(void) {
     c2.index_topk = 0;
     create_refused(&c2, &one, 1, KVSWAP_STATUS_INVALID_ARGUMENT, "index_topk");
     c2 = cfg;
+    c2.device = -2;
+    create_refused(&c2, &one, 1, KVSWAP_STATUS_INVALID_ARGUMENT, "device=-2");
+    /* -1 is the CPU: accepted with the CPU backend only. */
+    c2 = cfg;
     c2.device = -1;
-    create_refused(&c2, &one, 1, KVSWAP_STATUS_INVALID_ARGUMENT, "device");
+    c2.backend = KVSWAP_BACKEND_AUTO;
+    create_refused(&c2, &one, 1, KVSWAP_STATUS_INVALID_ARGUMENT, "device=-1 (the CPU) needs backend=KVSWAP_BACKEND_CPU");
+    c2.backend = KVSWAP_BACKEND_CPU;
+    {
+        KvswapContext *cpu_ctx = NULL;
+        CHECK_OK(kvswap_create(&c2, &one, 1, &cpu_ctx));
+        KvswapContextInfo ci;
+        CHECK_OK(kvswap_context_info(cpu_ctx, &ci));
+        CHECK(ci.backend == KVSWAP_BACKEND_CPU && ci.device == -1);
+        kvswap_destroy(cpu_ctx);
+    }
     c2 = cfg;
     memset(c2.fm_ckpt, 'a', sizeof c2.fm_ckpt); /* no NUL */
     create_refused(&c2, &one, 1, KVSWAP_STATUS_INVALID_ARGUMENT, "fm_ckpt");

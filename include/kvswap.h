@@ -52,7 +52,10 @@ typedef enum KvswapStatus {
   KVSWAP_STATUS_NULL_POINTER = 2,
   // A layer index, logical chunk id or count is outside its range.
   KVSWAP_STATUS_OUT_OF_RANGE = 3,
-  // A selected chunk was never stored; nothing was changed.
+  // A selected chunk was never stored; nothing was changed (returned by
+  // the call with `sync = 1`; with `sync = 0` it comes later, from
+  // `kvswap_sync` or `kvswap_layer_stats`, and the call went ahead with
+  // that entry written as -1).
   KVSWAP_STATUS_NOT_STORED = 4,
   // The pinned host tier would exceed `KVSWAP_PINNED_MIB`.
   KVSWAP_STATUS_PINNED_CAP = 5,
@@ -110,6 +113,9 @@ typedef struct KvswapConfig {
   // Check every staged chunk against its host copy. `KVSWAP_VALIDATE`, default 0.
   uint32_t validate;
   // Allow `gpu_chunks < index_topk` (tests only). `KVSWAP_TEST_ALLOW_TOPK_REDUCTION`, default 0.
+  // kvswap does not cut the top-k itself: a swap-in still takes at most
+  // `gpu_chunks` selected ids (more is `KVSWAP_STATUS_OUT_OF_RANGE`), so
+  // the engine passes the first `gpu_chunks` of its descending top-k.
   uint32_t test_allow_topk_reduction;
   // k of the global top-k. `KVSWAP_INDEX_TOPK`, default 512.
   uint32_t index_topk;
@@ -129,7 +135,10 @@ typedef struct KvswapConfig {
   uint32_t mem_profile;
   // `KVSWAP_BACKEND_AUTO`, `_CPU` or `_CUDA`. `KVSWAP_BACKEND`, default auto.
   KvswapBackendKind backend;
-  // CUDA device ordinal the context binds to. `KVSWAP_DEVICE`, default 0.
+  // CUDA device ordinal (>= 0) the context binds to. `KVSWAP_DEVICE`,
+  // default 0. The CPU backend ignores it and also accepts -1 (the CPU's
+  // number in `KvswapContextInfo` and `fm_scorer_load`); -1 with another
+  // backend, or below -1, is `KVSWAP_STATUS_INVALID_ARGUMENT`.
   int32_t device;
   // Scorer checkpoint path, NUL-terminated, empty for none. `KVSWAP_FM_CKPT`.
   char fm_ckpt[KVSWAP_PATH_MAX];
@@ -212,11 +221,13 @@ typedef struct KvswapLayerStats {
   uint64_t stores;
   // Stores that also refreshed a resident slot.
   uint64_t refreshes;
-  // Bytes copied host tier -> staging slots.
+  // Bytes copied host tier -> staging slots by swap-ins (a layer with swap
+  // off copies each store into its slot too; those copies are not counted).
   uint64_t h2d_bytes;
   // Bytes copied engine -> host tier.
   uint64_t d2h_bytes;
-  // `kvswap_swap_in_selected` calls.
+  // Swap-ins: `kvswap_swap_in_selected` calls, plus one per request of
+  // `kvswap_swap_in_layers` naming this layer.
   uint64_t swap_in_calls;
   // The layer's `compressed_cap`.
   uint64_t compressed_cap;
@@ -361,11 +372,15 @@ extern "C" {
 #endif // __cplusplus
 
 // Fills `*out` with the defaults (the Settings table of README.md).
+// Errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `out`),
+// `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `out`).
 enum KvswapStatus kvswap_config_default(struct KvswapConfig *out);
 
 // Fills `*out` with the defaults overridden by the `KVSWAP_*` environment
 // variables (and their `POCKETLLM_GGUF_*` aliases; the `KVSWAP_` name wins).
-// A bad value returns `KVSWAP_STATUS_INVALID_ARGUMENT` naming the variable.
+// A bad value returns `KVSWAP_STATUS_INVALID_ARGUMENT` naming the variable
+// (`*out` unchanged), as does a misaligned `out`; a NULL `out` is
+// `KVSWAP_STATUS_NULL_POINTER`.
 enum KvswapStatus kvswap_config_from_env(struct KvswapConfig *out);
 
 // Creates a context for `n_layers` layers described by `layers`, and
@@ -575,7 +590,17 @@ enum KvswapStatus kvswap_layer_staging(struct KvswapContext *ctx,
 // launched on. NULL waits for each layer's last eager call only, not for
 // other work the engine queued (graph launches included). A stream being
 // captured is refused (`KVSWAP_STATUS_INVALID_ARGUMENT`): the wait would end
-// the capture.
+// the capture. The deferred errors are those the calls would have returned
+// with `sync = 1` (`KVSWAP_STATUS_NOT_STORED`, `KVSWAP_STATUS_OUT_OF_RANGE`,
+// `KVSWAP_STATUS_VALIDATION_FAILED`, `KVSWAP_STATUS_DEVICE_ERROR`); one
+// call returns one and clears every layer's, so with several threads the
+// one that syncs receives the others' errors too. Other errors:
+// `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`); on CUDA
+// `KVSWAP_STATUS_WRONG_DEVICE` for a stream of another device,
+// `KVSWAP_STATUS_INVALID_ARGUMENT` for `CU_STREAM_LEGACY` (1) and
+// `KVSWAP_STATUS_DEVICE_ERROR` when the wait fails;
+// `KVSWAP_STATUS_PANIC` for a layer an earlier call panicked in (the other
+// layers are still cleared).
 enum KvswapStatus kvswap_sync(struct KvswapContext *ctx, KvswapStream stream);
 
 // Writes what the context runs on to `*out`.
@@ -605,10 +630,14 @@ const char *kvswap_status_name(int32_t status);
 // callback was called (the later replacement stands). It waits
 // without a time limit, so do not call it while holding a lock a running
 // callback may wait for, and a callback must not wait for another thread
-// that calls it.
+// that calls it. `line` is valid only during the call (copy it to keep
+// it). The callback must return normally: a C++ exception or other unwind
+// out of it aborts the process.
 enum KvswapStatus kvswap_set_log_callback(KvswapLogCallback callback, void *user_data);
 
-// Sets the log level: 0 off, 1 error, 2 warn, 3 info (default), 4 debug, 5 trace.
+// Sets the log level: 0 off, 1 error, 2 warn, 3 info, 4 debug, 5 trace
+// (the default is info, or the level `KVSWAP_LOG` names). Another value is
+// `KVSWAP_STATUS_INVALID_ARGUMENT` (the level unchanged).
 enum KvswapStatus kvswap_set_log_level(uint32_t level);
 
 // Loads a FlashMemory checkpoint (safetensors, format `flashmemory-v1`)

@@ -52,6 +52,9 @@ pub struct KvswapConfig {
     /// Check every staged chunk against its host copy. `KVSWAP_VALIDATE`, default 0.
     pub validate: u32,
     /// Allow `gpu_chunks < index_topk` (tests only). `KVSWAP_TEST_ALLOW_TOPK_REDUCTION`, default 0.
+    /// kvswap does not cut the top-k itself: a swap-in still takes at most
+    /// `gpu_chunks` selected ids (more is `KVSWAP_STATUS_OUT_OF_RANGE`), so
+    /// the engine passes the first `gpu_chunks` of its descending top-k.
     pub test_allow_topk_reduction: u32,
     /// k of the global top-k. `KVSWAP_INDEX_TOPK`, default 512.
     pub index_topk: u32,
@@ -71,7 +74,10 @@ pub struct KvswapConfig {
     pub mem_profile: u32,
     /// `KVSWAP_BACKEND_AUTO`, `_CPU` or `_CUDA`. `KVSWAP_BACKEND`, default auto.
     pub backend: KvswapBackendKind,
-    /// CUDA device ordinal the context binds to. `KVSWAP_DEVICE`, default 0.
+    /// CUDA device ordinal (>= 0) the context binds to. `KVSWAP_DEVICE`,
+    /// default 0. The CPU backend ignores it and also accepts -1 (the CPU's
+    /// number in `KvswapContextInfo` and `fm_scorer_load`); -1 with another
+    /// backend, or below -1, is `KVSWAP_STATUS_INVALID_ARGUMENT`.
     pub device: i32,
     /// Scorer checkpoint path, NUL-terminated, empty for none. `KVSWAP_FM_CKPT`.
     pub fm_ckpt: [c_char; KVSWAP_PATH_MAX],
@@ -344,8 +350,16 @@ impl Config {
                 return Err(Error::invalid(format!("fm_ckpt is {} bytes; the limit is {}", p.as_os_str().len(), KVSWAP_PATH_MAX - 1)));
             }
         }
-        if self.device < 0 {
-            return Err(Error::invalid(format!("device={} must be >= 0 (KVSWAP_DEVICE)", self.device)));
+        // -1 is the CPU's number elsewhere in the API (KvswapContextInfo,
+        // fm_scorer_load): accepted with the CPU backend, which ignores the
+        // field.
+        if self.device == -1 && self.backend != BackendChoice::Cpu {
+            return Err(Error::invalid(
+                "device=-1 (the CPU) needs backend=KVSWAP_BACKEND_CPU (KVSWAP_BACKEND=cpu); a CUDA device is >= 0 (KVSWAP_DEVICE)",
+            ));
+        }
+        if self.device < -1 {
+            return Err(Error::invalid(format!("device={} must be >= 0, or -1 with the CPU backend (KVSWAP_DEVICE)", self.device)));
         }
         Ok(())
     }

@@ -139,7 +139,15 @@ impl Context {
         let max = plan.slots.max(self.config.gpu_chunks) as usize;
         if count > max {
             return Err(Error::out_of_range(if plan.swap {
-                format!("layer {layer}: count={count} selected chunks exceeds gpu_chunks={}", self.config.gpu_chunks)
+                format!(
+                    "layer {layer}: count={count} selected chunks exceeds gpu_chunks={}{}",
+                    self.config.gpu_chunks,
+                    if self.config.test_allow_topk_reduction {
+                        " (KVSWAP_TEST_ALLOW_TOPK_REDUCTION does not cut the top-k: pass its first gpu_chunks ids)"
+                    } else {
+                        ""
+                    }
+                )
             } else {
                 format!(
                     "layer {layer}: count={count} selected chunks exceeds the limit {max} of this fully resident \

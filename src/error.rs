@@ -17,7 +17,10 @@ pub enum KvswapStatus {
     NullPointer = 2,
     /// A layer index, logical chunk id or count is outside its range.
     OutOfRange = 3,
-    /// A selected chunk was never stored; nothing was changed.
+    /// A selected chunk was never stored; nothing was changed (returned by
+    /// the call with `sync = 1`; with `sync = 0` it comes later, from
+    /// `kvswap_sync` or `kvswap_layer_stats`, and the call went ahead with
+    /// that entry written as -1).
     NotStored = 4,
     /// The pinned host tier would exceed `KVSWAP_PINNED_MIB`.
     PinnedCap = 5,

@@ -65,11 +65,13 @@ pub struct KvswapLayerStats {
     pub stores: u64,
     /// Stores that also refreshed a resident slot.
     pub refreshes: u64,
-    /// Bytes copied host tier -> staging slots.
+    /// Bytes copied host tier -> staging slots by swap-ins (a layer with swap
+    /// off copies each store into its slot too; those copies are not counted).
     pub h2d_bytes: u64,
     /// Bytes copied engine -> host tier.
     pub d2h_bytes: u64,
-    /// `kvswap_swap_in_selected` calls.
+    /// Swap-ins: `kvswap_swap_in_selected` calls, plus one per request of
+    /// `kvswap_swap_in_layers` naming this layer.
     pub swap_in_calls: u64,
     /// The layer's `compressed_cap`.
     pub compressed_cap: u64,

@@ -143,6 +143,8 @@ pub(crate) fn check_aligned<T>(p: *const T, name: &str) -> Result<()> {
 }
 
 /// Fills `*out` with the defaults (the Settings table of README.md).
+/// Errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `out`),
+/// `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `out`).
 #[no_mangle]
 pub extern "C" fn kvswap_config_default(out: *mut KvswapConfig) -> KvswapStatus {
     boundary("kvswap_config_default", || {
@@ -154,7 +156,9 @@ pub extern "C" fn kvswap_config_default(out: *mut KvswapConfig) -> KvswapStatus 
 
 /// Fills `*out` with the defaults overridden by the `KVSWAP_*` environment
 /// variables (and their `POCKETLLM_GGUF_*` aliases; the `KVSWAP_` name wins).
-/// A bad value returns `KVSWAP_STATUS_INVALID_ARGUMENT` naming the variable.
+/// A bad value returns `KVSWAP_STATUS_INVALID_ARGUMENT` naming the variable
+/// (`*out` unchanged), as does a misaligned `out`; a NULL `out` is
+/// `KVSWAP_STATUS_NULL_POINTER`.
 #[no_mangle]
 pub extern "C" fn kvswap_config_from_env(out: *mut KvswapConfig) -> KvswapStatus {
     boundary("kvswap_config_from_env", || {
@@ -481,7 +485,17 @@ pub extern "C" fn kvswap_layer_staging(
 /// launched on. NULL waits for each layer's last eager call only, not for
 /// other work the engine queued (graph launches included). A stream being
 /// captured is refused (`KVSWAP_STATUS_INVALID_ARGUMENT`): the wait would end
-/// the capture.
+/// the capture. The deferred errors are those the calls would have returned
+/// with `sync = 1` (`KVSWAP_STATUS_NOT_STORED`, `KVSWAP_STATUS_OUT_OF_RANGE`,
+/// `KVSWAP_STATUS_VALIDATION_FAILED`, `KVSWAP_STATUS_DEVICE_ERROR`); one
+/// call returns one and clears every layer's, so with several threads the
+/// one that syncs receives the others' errors too. Other errors:
+/// `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`); on CUDA
+/// `KVSWAP_STATUS_WRONG_DEVICE` for a stream of another device,
+/// `KVSWAP_STATUS_INVALID_ARGUMENT` for `CU_STREAM_LEGACY` (1) and
+/// `KVSWAP_STATUS_DEVICE_ERROR` when the wait fails;
+/// `KVSWAP_STATUS_PANIC` for a layer an earlier call panicked in (the other
+/// layers are still cleared).
 #[no_mangle]
 pub extern "C" fn kvswap_sync(ctx: *mut KvswapContext, stream: KvswapStream) -> KvswapStatus {
     boundary("kvswap_sync", || ctx_ref(ctx)?.sync_stream(stream as u64))
@@ -571,7 +585,9 @@ fn status_name(status: i32) -> *const c_char {
 /// callback was called (the later replacement stands). It waits
 /// without a time limit, so do not call it while holding a lock a running
 /// callback may wait for, and a callback must not wait for another thread
-/// that calls it.
+/// that calls it. `line` is valid only during the call (copy it to keep
+/// it). The callback must return normally: a C++ exception or other unwind
+/// out of it aborts the process.
 #[no_mangle]
 pub extern "C" fn kvswap_set_log_callback(callback: KvswapLogCallback, user_data: *mut c_void) -> KvswapStatus {
     boundary("kvswap_set_log_callback", || {
@@ -580,7 +596,9 @@ pub extern "C" fn kvswap_set_log_callback(callback: KvswapLogCallback, user_data
     })
 }
 
-/// Sets the log level: 0 off, 1 error, 2 warn, 3 info (default), 4 debug, 5 trace.
+/// Sets the log level: 0 off, 1 error, 2 warn, 3 info, 4 debug, 5 trace
+/// (the default is info, or the level `KVSWAP_LOG` names). Another value is
+/// `KVSWAP_STATUS_INVALID_ARGUMENT` (the level unchanged).
 #[no_mangle]
 pub extern "C" fn kvswap_set_log_level(level: u32) -> KvswapStatus {
     boundary("kvswap_set_log_level", || {
