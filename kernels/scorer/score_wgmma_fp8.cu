@@ -428,6 +428,12 @@ __device__ __forceinline__ u32 relu_bf16x2(float lo, float hi) {
     asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+// The head-sum MMA's A fragment of k-step k: relu of the accumulators
+// d[8k .. 8k + 8), in bf16 pairs.
+__device__ __forceinline__ void relu_a_fragment(const float* d, u32 k, u32* a) {
+#pragma unroll
+    for (u32 j = 0; j < 4; ++j) a[j] = relu_bf16x2(d[8 * k + 2 * j], d[8 * k + 2 * j + 1]);
+}
 __device__ __forceinline__ u16 bf16_bits(float x) {
     u16 r;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
@@ -806,12 +812,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
             {
                 u32 a[FM_QROWS / 16][4];
 #pragma unroll
-                for (u32 k = 0; k < FM_QROWS / 16; ++k) {
-                    a[k][0] = relu_bf16x2(d[8 * k], d[8 * k + 1]);
-                    a[k][1] = relu_bf16x2(d[8 * k + 2], d[8 * k + 3]);
-                    a[k][2] = relu_bf16x2(d[8 * k + 4], d[8 * k + 5]);
-                    a[k][3] = relu_bf16x2(d[8 * k + 6], d[8 * k + 7]);
-                }
+                for (u32 k = 0; k < FM_QROWS / 16; ++k) relu_a_fragment(d, k, a[k]);
                 const u64 dw0 = gmma_desc_plain(smem_addr(sh_wt));
                 wgmma_fence();
 #pragma unroll
@@ -826,8 +827,8 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
                 for (u32 sc = 0; sc < FM_SCORERS; ++sc) hs[sc][0] = hs[sc][1] = hs[sc][2] = hs[sc][3] = 0.f;
 #pragma unroll
                 for (u32 k = 0; k < FM_QROWS / 16; ++k) {
-                    const u32 a[4] = {relu_bf16x2(d[8 * k], d[8 * k + 1]), relu_bf16x2(d[8 * k + 2], d[8 * k + 3]),
-                                      relu_bf16x2(d[8 * k + 4], d[8 * k + 5]), relu_bf16x2(d[8 * k + 6], d[8 * k + 7])};
+                    u32 a[4];
+                    relu_a_fragment(d, k, a);
                     const uint2 b = sh_wb[k][lane];
                     mma_bf16(hs[k / FM_Q8_KSTEPS], a, b.x, b.y);
                 }
