@@ -303,6 +303,20 @@ static void model_swap(Model *m, int32_t *e, uint32_t count, uint32_t window) {
         if (selected[k]) m->last_used[k] = m->t;
 }
 
+/* kvswap_layer_forget of chunks [first, first + n): a slot holding one is
+ * emptied and becomes "never used" (least recently used, ties to the lower
+ * slot index: ahead of every slot holding a chunk, in slot order). */
+static void model_forget(Model *m, uint32_t first, uint32_t n) {
+    for (uint32_t s = 0; s < m->slots; s++) {
+        int32_t c = m->slot_chunk[s];
+        if (c >= 0 && (uint32_t)c - first < n) {
+            m->chunk_slot[c] = -1;
+            m->slot_chunk[s] = -1;
+            m->last_used[s] = 0;
+        }
+    }
+}
+
 static uint32_t model_resident(const Model *m) {
     uint32_t n = 0;
     for (uint32_t s = 0; s < m->slots; s++) n += m->slot_chunk[s] >= 0;
@@ -319,7 +333,8 @@ typedef struct Layer {
     uint32_t cap, slots;
     size_t chunk_bytes;
     Model model;
-    uint32_t version[MAX_CAP]; /* 0: never stored; else the version last stored */
+    uint32_t version[MAX_CAP]; /* 0: never stored (or forgotten); else the version last stored */
+    uint32_t high[MAX_CAP];    /* the highest version ever stored: a forgotten chunk stored again gets new bytes */
     uint64_t stores, swap_calls;
 } Layer;
 
@@ -364,10 +379,10 @@ static void layer_init(Layer *L, KvswapContext *ctx, uint32_t layer, uint32_t ca
 
 static void store_one_at(int line, Layer *L, uint32_t id) {
     uint8_t buf[MAX_CB];
-    uint32_t v = L->version[id] + 1;
+    uint32_t v = (L->version[id] > L->high[id] ? L->version[id] : L->high[id]) + 1;
     fill_chunk(buf, L->chunk_bytes, L->layer, id, v);
     CHECK_OK_AT(line, store_dev(L->ctx, L->layer, (int32_t)id, buf, L->chunk_bytes));
-    L->version[id] = v;
+    L->version[id] = L->high[id] = v;
     L->stores++;
 }
 #define store_one(L, id) store_one_at(__LINE__, L, id)
@@ -1274,6 +1289,101 @@ static void test_lru_script(void) {
     check_stats(&L1);
     kvswap_destroy(ctx);
     group_done("400 random calls (padding, duplicates, windows 0..5, re-stores) match the reference model");
+}
+
+/* kvswap_layer_forget against the model: random ranges and "every chunk"
+ * between stores and swap-ins on both layers; forgotten chunks are refused
+ * until stored again; bad arguments change nothing. */
+static void forget_ok_at(int line, Layer *L, uint32_t first, uint32_t n) {
+    CHECK_OK_AT(line, kvswap_layer_forget(L->ctx, L->layer, (int32_t)first, n, cur_stream()));
+    model_forget(&L->model, first, n);
+    for (uint32_t id = first; id < first + n; id++) L->version[id] = 0;
+    check_stats_at(line, L);
+    check_staged_at(line, L);
+}
+#define forget_ok(L, first, n) forget_ok_at(__LINE__, L, first, n)
+
+static void test_forget(void) {
+    KvswapConfig cfg = test_config(1, 8, 8);
+    KvswapLayerSpec specs[2] = {layer_spec(100, 40), layer_spec(70, 24)};
+    KvswapContext *ctx = create_ok(&cfg, specs, 2);
+    Layer L, L1;
+    layer_init(&L, ctx, 0, 100, 8, 40);
+    layer_init(&L1, ctx, 1, 70, 8, 24);
+    for (uint32_t id = 0; id < 100; id++) store_one(&L, id);
+    for (uint32_t id = 0; id < 70; id++) store_one(&L1, id);
+    probe_lru(&L, 0);
+    probe_lru(&L, 40);
+
+    /* Refused: nothing changes (counters, residency: probed below). */
+    Snapshot before = snapshot_at(__LINE__, ctx, 2);
+    CHECK_ERR(kvswap_layer_forget(NULL, 0, 0, 1, cur_stream()), KVSWAP_STATUS_NULL_POINTER, "ctx");
+    CHECK_ERR(kvswap_layer_forget(ctx, 2, 0, 1, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "layer 2");
+    CHECK_ERR(kvswap_layer_forget(ctx, 0, -1, 1, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "compressed_cap");
+    CHECK_ERR(kvswap_layer_forget(ctx, 0, 90, 11, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "0..100");
+    CHECK_ERR(kvswap_layer_forget(ctx, 0, 0, UINT32_MAX, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "compressed_cap");
+    CHECK_ERR(kvswap_layer_forget(ctx, 0, INT32_MAX, 1, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "compressed_cap");
+    if (dm_is_cuda())
+        CHECK_ERR(kvswap_layer_forget(ctx, 0, 0, 1, NULL), KVSWAP_STATUS_INVALID_ARGUMENT, "legacy default stream");
+    same_snapshot_at(__LINE__, ctx, &before);
+    CHECK_OK(kvswap_layer_forget(ctx, 0, 100, 0, cur_stream())); /* n 0 at the end: nothing */
+    same_snapshot_at(__LINE__, ctx, &before);
+    group_done("kvswap_layer_forget refuses a NULL context, a bad layer or range (and on CUDA the NULL stream), changing nothing");
+
+    /* The chunks of slots emptied by a forget are refused; the emptied slots
+     * are the next victims, in slot order; counters go on. */
+    int32_t resident_id = L.model.slot_chunk[3];
+    forget_ok(&L, (uint32_t)resident_id, 1);
+    CHECK(L.model.chunk_slot[resident_id] < 0);
+    int32_t buf[4] = {resident_id, -1, -1, -1};
+    enum KvswapStatus st = swap_dev(ctx, 0, buf, 4, 0, 1);
+    if (cfg.sync) {
+        CHECK_EQ(st, KVSWAP_STATUS_NOT_STORED);
+        CHECK_EQ(buf[0], resident_id);
+    } else {
+        CHECK_OK(st);
+        CHECK_EQ(buf[0], -1);
+        CHECK_ERR(kvswap_sync(ctx, cur_stream()), KVSWAP_STATUS_NOT_STORED, "never stored");
+        L.swap_calls++;
+    }
+    check_stats(&L);
+    store_one(&L, (uint32_t)resident_id);
+    const int32_t sel[1] = {resident_id};
+    const int32_t exp[1] = {2 + 3};
+    swap_ok(&L, 2, 1, sel, exp);
+    group_done("a forgotten chunk is NOT_STORED until stored again, and its emptied slot is the next victim");
+
+    /* Random forgets between random stores and swap-ins, on both layers;
+     * the second layer is left alone now and then, and must not change. */
+    for (int i = 0; i < 600; i++) {
+        Layer *X = (i % 3 == 0) ? &L1 : &L;
+        uint32_t r = rnd(20);
+        if (r == 0) {
+            forget_ok(X, 0, X->cap);
+            for (uint32_t id = 0; id < X->cap; id += 1 + rnd(3)) store_one(X, id);
+        } else if (r <= 2) {
+            uint32_t first = rnd(X->cap);
+            forget_ok(X, first, rnd(X->cap - first + 1));
+        } else if (r <= 5) {
+            store_one(X, rnd(X->cap));
+        }
+        /* keep enough chunks stored for a probe and a random selection */
+        uint32_t stored = 0;
+        for (uint32_t id = 0; id < X->cap; id++) stored += X->version[id] > 0;
+        while (stored < X->slots * 3) {
+            uint32_t id = rnd(X->cap);
+            if (X->version[id] == 0) stored++;
+            store_one(X, id);
+        }
+        if (rnd(25) == 0) probe_lru(X, rnd(X->cap));
+        else random_swap(X);
+    }
+    forget_ok(&L, 0, L.cap);
+    for (uint32_t id = 0; id < L.cap; id++) store_one(&L, id);
+    probe_lru(&L, 17); /* a layer forgotten whole fills slots 0, 1, ... in order */
+    check_stats(&L1);
+    kvswap_destroy(ctx);
+    group_done("600 random stores, swap-ins and forgets (ranges and every chunk) on two layers match the reference model");
 }
 
 /* ---- guards on a live context; the state is unchanged after each ---- */
@@ -3760,6 +3870,7 @@ int main(void) {
     test_create_destroy_info();
     test_store_and_staging();
     test_lru_script();
+    test_forget();
     test_guards();
     test_async();
     test_swap_in_layers();

@@ -491,8 +491,8 @@ enum KvswapStatus kvswap_store_batch(struct KvswapContext *ctx,
 // On CUDA, if the copy kernel of an eager call cannot be launched (twice)
 // after the residency kernel was queued, the layer's slots no longer match
 // their chunks: that call, every later swap-in of the layer and
-// `kvswap_sync` return `KVSWAP_STATUS_DEVICE_ERROR` saying so, and the
-// context must be destroyed and created again.
+// `kvswap_sync` return `KVSWAP_STATUS_DEVICE_ERROR` saying so, until a
+// `kvswap_layer_forget` of all its chunks (or a new context).
 // kvswap's kernels allow programmatic dependent launch: an engine kernel
 // launched as a programmatic dependent of this call must wait
 // (`cudaGridDependencySynchronize`) before it reads the indices or the
@@ -557,6 +557,41 @@ enum KvswapStatus kvswap_swap_in_layers(struct KvswapContext *ctx,
                                         size_t n,
                                         const int32_t *topk,
                                         KvswapStream stream);
+
+// Forgets the chunks `first_id .. first_id + n` of `layer`, for an engine
+// that reuses a context for another sequence (`first_id` 0, `n` =
+// `compressed_cap`: every chunk) or drops the tail of one (a llama.cpp
+// `seq_rm`). Each of them is as if never stored: a swap-in of it is
+// `KVSWAP_STATUS_NOT_STORED` until it is stored again. A slot holding one
+// is emptied, and every empty slot becomes least recently used, in
+// ascending slot index, ahead of the slots that hold chunks (whose order
+// is kept), so the next misses fill them first; forgetting every chunk
+// leaves the layer's residency as `kvswap_create` made it. Without this
+// call, a chunk id that the new sequence has not stored yet would still
+// select the old sequence's bytes.
+// The bytes in the host tier and in the staging rows are not cleared: no
+// chunk can be selected before it is stored again, and a swap-in copies a
+// chunk into an empty slot before it returns that slot. The counters
+// (`kvswap_layer_stats`) are kept, and an error an earlier call deferred is
+// still returned by the next `kvswap_sync` or `kvswap_layer_stats`.
+// On CUDA the call is one small kernel on `stream`, queued after the
+// layer's earlier calls (no host wait, with either sync setting); it may be
+// captured in a CUDA graph, and then forgets at every launch of it. Calls
+// made after it see the chunks forgotten. A call that forgets every chunk,
+// not captured, makes a layer that a failed copy launch left unusable (see
+// `kvswap_swap_in_selected`) usable again: no slot holds a chunk then.
+// `n` 0 changes nothing. Errors (nothing changed):
+// `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`); `KVSWAP_STATUS_OUT_OF_RANGE`
+// (a bad layer, a negative `first_id`, `first_id + n` above
+// `compressed_cap`); `KVSWAP_STATUS_INVALID_ARGUMENT` (on CUDA the NULL
+// stream or `CU_STREAM_LEGACY`); `KVSWAP_STATUS_WRONG_DEVICE` (a stream of
+// another device); `KVSWAP_STATUS_DEVICE_ERROR` (the launch failed);
+// `KVSWAP_STATUS_PANIC` (a layer left unusable by an earlier panic).
+enum KvswapStatus kvswap_layer_forget(struct KvswapContext *ctx,
+                                      uint32_t layer,
+                                      int32_t first_id,
+                                      uint32_t n,
+                                      KvswapStream stream);
 
 // Writes the counters of `layer` to `*out`. Waits for the layer's last
 // eager call (after a graph launch, call `kvswap_sync` with the launch

@@ -1,6 +1,6 @@
 // kvswap swap kernels: the residency decision of one swap_in_selected call,
 // the one-launch gather of all misses from the mapped host tier, stores with
-// slot refresh, validation, and layer initialisation.
+// slot refresh, validation, layer initialisation, and forgetting chunks.
 //
 // Compiled at run time by NVRTC for the device's compute capability (no CUDA
 // headers needed). The residency rules are DESIGN.md's and match
@@ -110,6 +110,46 @@ extern "C" __global__ void kvswap_init_layer(LayerDev L) {
         *L.parity = 0;
         *L.n_miss = 0;
     }
+}
+
+// kvswap_layer_forget: chunks [first, first + n) of a layer become never
+// stored (n <= cap - first, checked on the host). A slot holding one of them
+// is emptied, and every empty slot becomes least recently used, in ascending
+// slot index, ahead of the slots holding chunks (which keep their order).
+// Empty slots are always that prefix of the order (a swap-in takes its
+// victims from the front and never leaves one empty), so forgetting every
+// chunk gives the state kvswap_init_layer makes, counters and error record
+// aside; src/residency.rs's `forget` is the reference. Every block clears
+// stored bits (grid-stride); block 0 also does the slots of a swapping layer.
+extern "C" __global__ void kvswap_forget(LayerDev L, u32 first, u32 n) {
+    const u32 t = blockIdx.x * blockDim.x + threadIdx.x, nt = gridDim.x * blockDim.x;
+    if (n == 0) return;
+    const u32 last = first + n - 1;
+    const u32 w0 = first >> 5, w1 = last >> 5;
+    for (u32 w = w0 + t; w <= w1; w += nt) {
+        u32 mask = KV_NONE;
+        if (w == w0) mask &= KV_NONE << (first & 31u);
+        if (w == w1) mask &= KV_NONE >> (31u - (last & 31u));
+        L.stored[w] &= ~mask;
+    }
+    if (L.identity || blockIdx.x != 0) return;
+    const u32 tid = threadIdx.x;
+    for (u32 s = tid; s < L.slots; s += blockDim.x) {
+        const u32 c = L.slot_chunk[s];
+        if (c != KV_NONE && c - first < n) {
+            L.slot_chunk[s] = KV_NONE;
+            L.chunk_slot[c] = KV_NONE;
+        }
+    }
+    __syncthreads();
+    const u32 parity = *L.parity;
+    const u32* cur = L.lru + parity * L.slots;
+    u32* nxt = L.lru + (1u - parity) * L.slots;
+    const u32 empty = block_compact(
+        L.slots, [&](u32 s) { return L.slot_chunk[s] == KV_NONE; }, [&](u32 s, u32 r) { nxt[r] = s; });
+    block_compact(
+        L.slots, [&](u32 p) { return L.slot_chunk[cur[p]] != KV_NONE; }, [&](u32 p, u32 r) { nxt[empty + r] = cur[p]; });
+    if (tid == 0) *L.parity = 1u - parity;
 }
 
 // Markers in the per-entry slot array of kvswap_swap_in (all >= KV_CLAIM).

@@ -341,6 +341,21 @@ impl Context {
         }
     }
 
+    /// Forgets chunks `first .. first + n` of `layer` (`kvswap_layer_forget`):
+    /// each is never stored again until it is stored, a slot holding one is
+    /// emptied, and the empty slots become least recently used in ascending
+    /// slot index; counters and deferred errors are kept. `first` 0 and `n`
+    /// = `compressed_cap` give the layer's state at creation.
+    pub fn forget(&self, layer: usize, first: i32, n: u32, stream: StreamHandle) -> Result<()> {
+        let cap = self.plan(layer)?.compressed_cap;
+        if first < 0 || first as u64 + n as u64 > cap as u64 {
+            return Err(Error::out_of_range(format!(
+                "layer {layer}: first_id={first} and n={n} name chunks outside 0..{cap} (compressed_cap)"
+            )));
+        }
+        self.layer(layer)?.forget(first as u32, n, stream)
+    }
+
     /// Counters of `layer`; reports a deferred error first.
     pub fn stats(&self, layer: usize) -> Result<KvswapLayerStats> {
         self.layer(layer)?.stats()
@@ -580,6 +595,54 @@ mod tests {
         }));
         assert_eq!(ctx.sync().unwrap_err().status, KvswapStatus::Panic);
         ctx.stats(1).expect("layer 1's deferred error was cleared by sync");
+    }
+
+    /// A context reused for a new sequence: forgetting every chunk of a
+    /// layer refuses the old sequence's chunks until they are stored again,
+    /// the next swap-ins place and stage as in a new context, and the
+    /// counters and a deferred error are kept. Bad ranges change nothing.
+    #[test]
+    fn forget_reuses_a_layer_for_a_new_sequence() {
+        let config = Config { backend: BackendChoice::Cpu, enable: true, sync: false, gpu_chunks: 4, index_topk: 4, ..Config::default() };
+        let spec = KvswapLayerSpec { compressed_cap: 16, chunk_bytes: 32, staging: std::ptr::null_mut(), staging_stride: 0 };
+        let ctx = Context::new(config.clone(), &[spec, spec]).unwrap();
+        let fresh = Context::new(config, &[spec]).unwrap();
+        for id in 0..16 {
+            ctx.store(0, id, &[id as u8; 32]).unwrap();
+        }
+        let mut sel = [7, 3, 12, 20];
+        ctx.swap_in(0, &mut sel, 0).unwrap(); // 20 is out of range: deferred
+        for (first, n) in [(-1, 1), (0, 17), (16, 1), (i32::MAX, 2)] {
+            let e = ctx.forget(0, first, n, 0).unwrap_err();
+            assert_eq!(e.status, KvswapStatus::OutOfRange, "{first} + {n}: {e}");
+        }
+        assert_eq!(ctx.forget(2, 0, 1, 0).unwrap_err().status, KvswapStatus::OutOfRange, "bad layer");
+        ctx.forget(0, 16, 0, 0).unwrap(); // n 0 at the end: nothing
+        assert_eq!(ctx.residency(0).unwrap(), vec![(0, 7), (1, 3), (2, 12)]);
+        ctx.forget(0, 0, 16, 0).unwrap();
+        assert!(ctx.residency(0).unwrap().is_empty());
+        let e = ctx.stats(0).unwrap_err();
+        assert_eq!(e.status, KvswapStatus::OutOfRange, "the deferred error survives the forget: {e}");
+        let stats = ctx.stats(0).unwrap();
+        assert_eq!((stats.misses, stats.stores, stats.swap_in_calls, stats.resident), (3, 16, 1, 0), "counters kept");
+        // The old chunks are refused; the new sequence's stage as in a new context.
+        let mut old = [7];
+        ctx.swap_in(0, &mut old, 0).unwrap();
+        assert_eq!(old, [-1]);
+        assert_eq!(ctx.sync().unwrap_err().status, KvswapStatus::NotStored);
+        for (c, id) in [(&ctx, 5), (&ctx, 3), (&fresh, 5), (&fresh, 3)] {
+            c.store(0, id, &[100 + id as u8; 32]).unwrap();
+        }
+        let (mut a, mut b) = ([9, 9, 3, 5, 3], [9, 9, 3, 5, 3]);
+        ctx.swap_in(0, &mut a, 2).unwrap();
+        fresh.swap_in(0, &mut b, 2).unwrap();
+        assert_eq!(a, [9, 9, 2, 3, 2]);
+        assert_eq!(a, b);
+        assert_eq!(ctx.residency(0).unwrap(), fresh.residency(0).unwrap());
+        for slot in 0..2 {
+            assert_eq!(ctx.slot_bytes(0, slot).unwrap(), fresh.slot_bytes(0, slot).unwrap());
+        }
+        assert_eq!(ctx.slot_bytes(0, 0).unwrap(), [103; 32]);
     }
 
     /// Layers whose host tiers each fit u64 but whose sum does not: refused

@@ -291,6 +291,56 @@ impl Residency {
         Ok(out)
     }
 
+    /// Forgets chunks `first .. first + n` (`kvswap_layer_forget`): each
+    /// becomes never stored, a slot holding one is emptied, and every empty
+    /// slot becomes least recently used, in ascending slot index, ahead of
+    /// the slots that hold chunks (in their order). Empty slots are always
+    /// that prefix of the order (a swap-in takes victims from the front and
+    /// fills each one), so forgetting every chunk gives the state of a new
+    /// layer. O(slots + n / 64), no allocation.
+    ///
+    /// The caller guarantees `first + n <= compressed_cap()`.
+    pub fn forget(&mut self, first: u32, n: u32) {
+        assert!(first as u64 + n as u64 <= self.cap as u64, "forget range past compressed_cap");
+        if n == 0 {
+            return;
+        }
+        let end = first + n;
+        let (w0, w1) = ((first / 64) as usize, ((end - 1) / 64) as usize);
+        for w in w0..=w1 {
+            let mut mask = u64::MAX;
+            if w == w0 {
+                mask &= u64::MAX << (first % 64);
+            }
+            if w == w1 {
+                mask &= u64::MAX >> (63 - (end - 1) % 64);
+            }
+            self.stored[w] &= !mask;
+        }
+        if self.identity {
+            return;
+        }
+        for s in 0..self.slots {
+            let c = self.slot_chunk[s as usize];
+            if c != NONE && c.wrapping_sub(first) < n {
+                self.slot_chunk[s as usize] = NONE;
+                self.chunk_slot[c as usize] = NONE;
+            }
+        }
+        // Take the empty slots out of the order, then put them back at the
+        // front, highest first, so they end up in ascending order.
+        for s in 0..self.slots {
+            if self.slot_chunk[s as usize] == NONE {
+                unlink(&mut self.links, &mut self.head, &mut self.tail, s);
+            }
+        }
+        for s in (0..self.slots).rev() {
+            if self.slot_chunk[s as usize] == NONE {
+                self.push_front(s);
+            }
+        }
+    }
+
     /// Marks slot `s` selected by the current call; returns whether it already was.
     #[inline]
     fn take_selected(&mut self, s: u32) -> bool {
@@ -298,6 +348,12 @@ impl Residency {
         let was = self.selected[w] & b != 0;
         self.selected[w] |= b;
         was
+    }
+
+    fn push_front(&mut self, s: u32) {
+        self.links[s as usize] = [NONE, self.head];
+        if self.head == NONE { self.tail = s } else { self.links[self.head as usize][0] = s }
+        self.head = s;
     }
 
     fn push_back(&mut self, s: u32) {
@@ -364,6 +420,110 @@ mod tests {
         let o = r.swap_in(&mut e, 0, false).unwrap();
         assert_eq!(e, vec![-1, 0]);
         assert_eq!(o.deferred, Some(EntryError::NotStored { pos: 0, id: 2 }));
+    }
+
+    #[test]
+    fn forget_empties_slots_to_the_front_and_clears_stored_bits() {
+        let mut r = stored_all(200, 4);
+        let mut e = vec![5, 70, 130, 199];
+        r.swap_in(&mut e, 0, true).unwrap();
+        let mut e = vec![130];
+        r.swap_in(&mut e, 0, true).unwrap();
+        assert_eq!(r.lru_order(), vec![0, 1, 3, 2]);
+        // 64..=130 spans a word boundary at both ends: slots 1 and 2 empty.
+        r.forget(64, 67);
+        assert_eq!((r.slot_of(70), r.slot_of(130)), (None, None));
+        assert_eq!(r.lru_order(), vec![1, 2, 0, 3]);
+        assert_eq!(r.resident(), 2);
+        for id in 0..200 {
+            assert_eq!(r.is_stored(id), !(64..131).contains(&id), "id {id}");
+        }
+        let mut e = vec![5, 70];
+        assert_eq!(r.swap_in(&mut e, 0, true), Err(EntryError::NotStored { pos: 1, id: 70 }));
+        // A miss takes the lowest empty slot first; the kept chunks stay.
+        r.mark_stored(70);
+        let mut e = vec![70, 5];
+        let o = r.swap_in(&mut e, 0, true).unwrap();
+        assert_eq!(e, vec![1, 0]);
+        assert_eq!((o.hits, o.misses, o.evictions), (1, 1, 0));
+        assert_eq!(r.lru_order(), vec![2, 3, 0, 1]);
+        r.forget(0, 0);
+        assert_eq!(r.lru_order(), vec![2, 3, 0, 1]);
+    }
+
+    #[test]
+    fn forget_on_a_fully_resident_layer_clears_its_chunks() {
+        let mut r = Residency::new(100, 128, true).unwrap();
+        for id in [3, 63, 64, 99] {
+            r.mark_stored(id);
+        }
+        r.forget(63, 2);
+        assert_eq!(r.resident(), 2);
+        assert_eq!((r.slot_of(3), r.slot_of(63), r.slot_of(64), r.slot_of(99)), (Some(3), None, None, Some(99)));
+        let mut e = vec![63];
+        assert_eq!(r.swap_in(&mut e, 0, true), Err(EntryError::NotStored { pos: 0, id: 63 }));
+    }
+
+    /// Random stores, swap-ins and forgets (seed printed): after each,
+    /// the empty slots are the front of the LRU order in ascending slot
+    /// index; forgetting everything gives a new layer, which then answers
+    /// every call as a new one does.
+    #[test]
+    fn forget_all_gives_a_new_layer() {
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1;
+        let mut x = seed;
+        let mut next = move |m: u32| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % m as u64) as u32
+        };
+        let (cap, slots) = (300u32, 24u32);
+        let mut r = Residency::new(cap, slots, true).unwrap();
+        let empties_first = |r: &Residency| {
+            let order = r.lru_order();
+            let k = order.iter().take_while(|&&s| r.chunk_in(s).is_none()).count();
+            assert!(order[k..].iter().all(|&s| r.chunk_in(s).is_some()), "seed {seed}: an empty slot after a full one");
+            assert!(order[..k].windows(2).all(|w| w[0] < w[1]), "seed {seed}: empty slots not ascending");
+        };
+        for round in 0..400 {
+            match next(10) {
+                0..=3 => {
+                    for _ in 0..next(40) {
+                        r.mark_stored(next(cap));
+                    }
+                }
+                4..=7 => {
+                    let mut e: Vec<i32> = (0..next(slots) + 1).map(|_| next(cap) as i32).collect();
+                    let _ = r.swap_in(&mut e, 0, next(2) == 0);
+                }
+                8 => {
+                    let first = next(cap);
+                    r.forget(first, next(cap - first + 1));
+                }
+                _ => {
+                    r.forget(0, cap);
+                    let fresh = Residency::new(cap, slots, true).unwrap();
+                    assert_eq!(r.lru_order(), fresh.lru_order(), "seed {seed} round {round}");
+                    assert_eq!(r.resident(), 0);
+                    assert!((0..cap).all(|id| !r.is_stored(id) && r.slot_of(id).is_none()));
+                }
+            }
+            empties_first(&r);
+        }
+        // The same calls on a forgotten layer and on a new one.
+        r.forget(0, cap);
+        let mut fresh = Residency::new(cap, slots, true).unwrap();
+        for _ in 0..200 {
+            let id = next(cap);
+            r.mark_stored(id);
+            fresh.mark_stored(id);
+            let e: Vec<i32> = (0..next(slots) + 1).map(|_| next(cap) as i32).collect();
+            let (mut a, mut b) = (e.clone(), e);
+            assert_eq!(r.swap_in(&mut a, 7, false), fresh.swap_in(&mut b, 7, false), "seed {seed}");
+            assert_eq!(a, b, "seed {seed}");
+            assert_eq!(r.lru_order(), fresh.lru_order(), "seed {seed}");
+        }
     }
 
     #[test]

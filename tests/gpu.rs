@@ -59,7 +59,9 @@ fn twins(rng: &mut Rng, specs: &[KvswapLayerSpec], slots: u32, sync: bool, store
     (cpu, gpu)
 }
 
-/// 10,000 random steps: the CUDA slots and staged bytes equal the CPU
+/// 10,000 random steps (stores, swap-ins, and now and then
+/// `kvswap_layer_forget` of a random range or of every chunk): the CUDA
+/// slots and staged bytes equal the CPU
 /// backend's, in both the synchronous and the asynchronous mode (indices,
 /// errors and the staged bytes of the selected slots every swap-in, the
 /// statistics of the step's layer every step, its residency every 10th
@@ -72,11 +74,23 @@ fn random_steps_match_cpu(sync: bool) {
     let specs: Vec<_> = caps.iter().zip(chunks).map(|(&c, b)| spec(c, b)).collect();
     let cpu = Context::new(config(BackendChoice::Cpu, slots, sync), &specs).unwrap();
     let gpu = Context::new(config(BackendChoice::Cuda, slots, sync), &specs).unwrap();
+    let (_dev, _g, [stream]) = gpu0();
     let mut hot = 0u32;
     for step in 0..scaled(10_000) {
         let layer = rng.below(3) as usize;
         let (cap, chunk) = (caps[layer], chunks[layer] as usize);
-        if rng.below(3) == 0 {
+        if rng.below(40) == 0 {
+            // Forget a random range (every 8th time every chunk) on the
+            // engine's stream; the host helpers after it wait for it.
+            let (first, n) = if rng.below(8) == 0 {
+                (0, cap)
+            } else {
+                let first = rng.below(cap as u64) as u32;
+                (first, rng.below((cap - first) as u64 + 1) as u32)
+            };
+            cpu.forget(layer, first as i32, n, 0).unwrap();
+            gpu.forget(layer, first as i32, n, stream.0 as u64).unwrap();
+        } else if rng.below(3) == 0 {
             let n = 1 + rng.below(8) as usize;
             let ids: Vec<i32> = (0..n).map(|_| rng.below(cap as u64) as i32).collect();
             let mut rows = vec![0u8; n * chunk];
@@ -222,6 +236,79 @@ fn graph_replay_21_layers_matches_cpu() {
     for l in 0..layers {
         assert_eq!(cpu.stats(l).unwrap(), gpu.stats(l).unwrap(), "layer {l}: stats after replays");
     }
+}
+
+/// `kvswap_layer_forget` captured in a CUDA graph (a swapping layer and a
+/// fully resident one), launched between eager stores, swap-ins and
+/// forgets: every launch forgets again, and the slots, staged bytes,
+/// counters and deferred errors equal the CPU backend's doing the same
+/// calls in the same order.
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn forget_in_a_graph_matches_cpu() {
+    let mut rng = Rng::fresh("gpu forget graph");
+    let (slots, window) = (32u32, 3u32);
+    let caps = [700u32, 20];
+    let chunk = 264usize;
+    let specs: Vec<_> = caps.iter().map(|&c| spec(c, chunk as u32)).collect();
+    let (cpu, gpu) = twins(&mut rng, &specs, slots, false, |l| caps[l]);
+    let (_dev, _g, [stream]) = gpu0();
+    let s = stream.0 as u64;
+    let forgets = [(0usize, 100i32, 250u32), (0, 690, 10), (1, 5, 6)];
+    let graph = Graph::capture(stream.0, || forgets.iter().try_for_each(|&(l, f, n)| gpu.forget(l, f, n, s))).unwrap();
+    let mut launches = 0;
+    for step in 0..scaled(600) {
+        let layer = rng.below(2) as usize;
+        let cap = caps[layer];
+        match rng.below(10) {
+            0 => {
+                graph.launch(stream.0).unwrap();
+                launches += 1;
+                for &(l, f, n) in &forgets {
+                    cpu.forget(l, f, n, 0).unwrap();
+                }
+            }
+            1 => {
+                let first = rng.below(cap as u64) as u32;
+                let n = rng.below((cap - first) as u64 + 1) as u32;
+                cpu.forget(layer, first as i32, n, 0).unwrap();
+                gpu.forget(layer, first as i32, n, s).unwrap();
+            }
+            2..=4 => {
+                let ids: Vec<i32> = (0..1 + rng.below(40)).map(|_| rng.below(cap as u64) as i32).collect();
+                let mut rows = vec![0u8; ids.len() * chunk];
+                rng.fill(&mut rows);
+                cpu.store_rows(layer, &ids, &rows).unwrap();
+                gpu.store_rows(layer, &ids, &rows).unwrap();
+            }
+            _ => {
+                let count = rng.below(slots as u64 + 1) as usize;
+                let mut a: Vec<i32> = (0..window as i32).collect();
+                let hot = rng.below(cap as u64) as u32;
+                a.extend(selection(&mut rng, cap, count, hot));
+                let mut b = a.clone();
+                // A graph launch is waited for on its stream before the
+                // host helper's swap-in (which runs on kvswap's own stream).
+                stream.sync().unwrap();
+                let ra = cpu.swap_in(layer, &mut a, window).and(cpu.sync());
+                let rb = gpu.swap_in(layer, &mut b, window).and(gpu.sync());
+                match (&ra, &rb) {
+                    (Ok(()), Ok(())) => {}
+                    (Err(x), Err(y)) => assert_eq!((x.status, &x.message), (y.status, &y.message), "step {step}"),
+                    _ => panic!("step {step}: cpu {ra:?} vs cuda {rb:?}"),
+                }
+                assert_eq!(a, b, "step {step} layer {layer}: indices");
+                for &p in a[window as usize..].iter().filter(|&&p| p >= 0) {
+                    let slot = (p - window as i32) as u32;
+                    assert_eq!(cpu.slot_bytes(layer, slot).unwrap(), gpu.slot_bytes(layer, slot).unwrap(), "step {step} slot {slot}");
+                }
+            }
+        }
+        stream.sync().unwrap();
+        assert_eq!(cpu.residency(layer).unwrap(), gpu.residency(layer).unwrap(), "step {step} layer {layer}: residency");
+        assert_eq!(cpu.stats(layer).unwrap(), gpu.stats(layer).unwrap(), "step {step} layer {layer}: stats");
+    }
+    assert!(launches > 0, "the graph was never launched");
 }
 
 /// A CUDA context with KVSWAP_VALIDATE on: one layer of 64 chunks of 256
@@ -428,6 +515,30 @@ fn gather_launch_failure_is_retried_then_breaks_the_layer() {
     upload(&[0, 1, 2, 3]);
     let e = unsafe { gpu.swap_in_raw(0, idx.ptr, 0, 4, stream.0 as u64) }.unwrap_err();
     assert!(e.message.contains("never copied"), "a later swap-in on the stream: {e}");
+    assert!(e.message.contains("kvswap_layer_forget"), "the error names the way out: {e}");
+
+    // Forgetting a part of the chunks leaves the layer refused; forgetting
+    // all of them empties every slot, and the layer works again as a new
+    // one: the chunks stored again fill slots 0, 1, 2, 3 with their bytes.
+    gpu.forget(0, 0, 32, stream.0 as u64).unwrap();
+    let e = unsafe { gpu.swap_in_raw(0, idx.ptr, 0, 4, stream.0 as u64) }.unwrap_err();
+    assert!(e.message.contains("never copied"), "after forgetting half the chunks: {e}");
+    gpu.forget(0, 0, 64, stream.0 as u64).unwrap();
+    upload(&[0, 1, 2, 3]);
+    unsafe { gpu.swap_in_raw(0, idx.ptr, 0, 4, stream.0 as u64) }.unwrap();
+    let e = gpu.sync_stream(stream.0 as u64).unwrap_err();
+    assert_eq!(e.status, kvswap::KvswapStatus::NotStored, "forgotten chunks are not stored: {e}");
+    gpu.store_rows(0, &ids, &rows).unwrap();
+    upload(&[9, 3, 17, 3]);
+    unsafe { gpu.swap_in_raw(0, idx.ptr, 0, 4, stream.0 as u64) }.unwrap();
+    gpu.sync_stream(stream.0 as u64).unwrap();
+    let mut got = [0i32; 4];
+    unsafe { driver::copy_dtoh_async(got.as_mut_ptr() as *mut u8, idx.ptr, 16, stream.0).unwrap() };
+    stream.sync().unwrap();
+    assert_eq!(got, [0, 1, 2, 1], "a forgotten layer fills its slots in order");
+    for (slot, id) in [(0u32, 9usize), (1, 3), (2, 17)] {
+        assert_eq!(gpu.slot_bytes(0, slot).unwrap(), rows[id * 512..(id + 1) * 512], "slot {slot}");
+    }
 }
 
 /// `auto` on a machine with a GPU where the CUDA backend cannot start (here:

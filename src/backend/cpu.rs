@@ -109,6 +109,11 @@ impl LayerOps for CpuLayer {
         Ok(())
     }
 
+    fn forget(&mut self, first: u32, n: u32, _stream: StreamHandle) -> Result<()> {
+        self.residency.forget(first, n);
+        Ok(())
+    }
+
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
     }

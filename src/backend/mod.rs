@@ -50,6 +50,15 @@ pub trait LayerOps: Send {
     /// `src_ids`, when not 0, to `count` int32 values not overlapping them.
     unsafe fn swap_in(&mut self, indices: u64, window_len: u32, count: u32, src_ids: u64, stream: StreamHandle) -> Result<()>;
 
+    /// Forgets chunks `first .. first + n` (`kvswap_layer_forget`, the rules
+    /// of `Residency::forget`), keeping the counters and any deferred
+    /// error. `n` may be 0 (the stream is still checked). On CUDA queued
+    /// on `stream` after the layer's earlier calls; an eager call that
+    /// forgets every chunk makes a layer a failed copy launch left unusable
+    /// usable again (no slot then holds a chunk).
+    /// The context has checked `first + n <= compressed_cap`.
+    fn forget(&mut self, first: u32, n: u32, stream: StreamHandle) -> Result<()>;
+
     /// The concrete layer (a backend's own calls over several layers).
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
 

@@ -72,6 +72,7 @@ struct StoreIds {
 
 struct Kernels {
     init: Kernel,
+    forget: Kernel,
     swap_in: Kernel,
     gather: Kernel,
     store: Kernel,
@@ -179,6 +180,7 @@ impl CudaBackend {
         let module = Module::load(&cubin)?;
         let kernels = Kernels {
             init: module.function(c"kvswap_init_layer")?,
+            forget: module.function(c"kvswap_forget")?,
             swap_in: module.function(c"kvswap_swap_in")?,
             gather: module.function(c"kvswap_gather")?,
             store: module.function(c"kvswap_store")?,
@@ -266,7 +268,7 @@ impl CudaBackend {
                         l.broken = Some(format!(
                             "layer {}: the copy kernel of a kvswap_swap_in_layers call could not be launched after its \
                              residency update ({both}), so some slots are mapped to chunks whose bytes were never copied; \
-                             destroy the context and create it again",
+                             forget all its chunks (kvswap_layer_forget) or destroy the context",
                             l.plan.index
                         ));
                         named.push(l.plan.index.to_string());
@@ -823,7 +825,7 @@ impl CudaLayer {
                 let text = format!(
                     "layer {}: a swap-in's copy kernel could not be launched after its residency update \
                      ({}; retried: {}), so some slots are mapped to chunks whose bytes were never copied; \
-                     destroy the context and create it again",
+                     forget all its chunks (kvswap_layer_forget) or destroy the context",
                     self.plan.index, e1.message, e2.message
                 );
                 self.broken = Some(text.clone());
@@ -884,6 +886,33 @@ impl LayerOps for CudaLayer {
             return launched.and(recorded);
         }
         launched
+    }
+
+    fn forget(&mut self, first: u32, n: u32, stream: StreamHandle) -> Result<()> {
+        let _g = self.sh.device.bind()?;
+        let (s, capture) = self.stream(stream)?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.order(s, stream, capture)?;
+        // Stored-bit words to clear, 256 per block (block 0 also reorders the
+        // slots, so it takes up to 1024 threads for them).
+        let words = ((first + n - 1) / 32 - first / 32 + 1) as u64;
+        let grid = words.div_ceil(1024).clamp(1, self.sh.device.sm_count as u64 * 4) as u32;
+        let threads = if self.dev.identity != 0 { 256 } else { self.plan.slots.next_multiple_of(32).clamp(256, 1024) };
+        let (mut d, mut f, mut cnt) = (self.dev, first, n);
+        let mut params = kernel_params![d, f, cnt];
+        // SAFETY: parameters match kvswap_forget(LayerDev, u32, u32); the
+        // context checked first + n <= compressed_cap.
+        let launched = unsafe { self.sh.kernels.forget.launch(grid, threads, 0, s, &mut params) };
+        let ok = launched.is_ok();
+        let recorded = self.after_launch(s, capture.is_some(), launched);
+        // Every slot is empty once this runs, and every later call of the
+        // layer is ordered after it: the slots match their chunks again.
+        if ok && capture.is_none() && first == 0 && n == self.plan.compressed_cap {
+            self.broken = None;
+        }
+        recorded
     }
 
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
