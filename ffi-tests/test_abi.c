@@ -1752,6 +1752,23 @@ static void test_async(void) {
         CHECK(b5[0] == 3 && b5[1] == 16);
     }
     CHECK_OK(kvswap_sync(ctx, cur_stream()));
+    /* kvswap_layer_sync returns its own layer's error only. */
+    int32_t b7[1] = {5}; /* layer 1 has nothing stored */
+    int32_t b8[1] = {13};
+    CHECK_OK(swap_dev(ctx, 1, b7, 1, 0, 1));
+    CHECK_OK(swap_dev(ctx, 0, b8, 1, 0, 1));
+    L.swap_calls++;
+    model_swap(&L.model, none, 1, 0);
+    CHECK_EQ(b7[0], -1);
+    CHECK_ERR(kvswap_layer_sync(NULL, 0, cur_stream()), KVSWAP_STATUS_NULL_POINTER, "ctx");
+    CHECK_ERR(kvswap_layer_sync(ctx, 2, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "layer 2");
+    CHECK_ERR(kvswap_layer_sync(ctx, 1, cur_stream()), KVSWAP_STATUS_NOT_STORED, "layer 1");
+    CHECK_OK(kvswap_layer_sync(ctx, 1, cur_stream()));
+    CHECK_ERR(kvswap_sync(ctx, cur_stream()), KVSWAP_STATUS_NOT_STORED, "chunk 13");
+    CHECK_OK(kvswap_layer_sync(ctx, 0, cur_stream()));
+    if (dm_is_cuda())
+        CHECK_ERR(kvswap_layer_sync(ctx, 0, (void *)1), KVSWAP_STATUS_INVALID_ARGUMENT, "legacy");
+    check_stats(&L);
     /* Host-side guards are still immediate in async mode. */
     int32_t b6[5] = {0, 1, 2, 3, 4};
     CHECK_ERR(swap_dev(ctx, 0, b6, 5, 0, 5), KVSWAP_STATUS_OUT_OF_RANGE, "count=5");
@@ -1761,7 +1778,7 @@ static void test_async(void) {
     check_stats(&L);
     CHECK_OK(kvswap_sync(ctx, cur_stream()));
     kvswap_destroy(ctx);
-    group_done("async mode (sync=0): not-stored entry -> -1, call OK, next sync / layer_stats reports it once");
+    group_done("async mode (sync=0): not-stored entry -> -1, call OK, next sync / layer_stats / layer_sync reports it once (layer_sync its own layer's only)");
 }
 
 /* ---- swap off: every chunk resident at its own id ---- */

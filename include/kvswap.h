@@ -629,7 +629,8 @@ enum KvswapStatus kvswap_layer_staging(struct KvswapContext *ctx,
 // with `sync = 1` (`KVSWAP_STATUS_NOT_STORED`, `KVSWAP_STATUS_OUT_OF_RANGE`,
 // `KVSWAP_STATUS_VALIDATION_FAILED`, `KVSWAP_STATUS_DEVICE_ERROR`); one
 // call returns one and clears every layer's, so with several threads the
-// one that syncs receives the others' errors too. Other errors:
+// one that syncs receives the others' errors too (`kvswap_layer_sync`
+// returns and clears one layer's only). Other errors:
 // `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`); on CUDA
 // `KVSWAP_STATUS_WRONG_DEVICE` for a stream of another device,
 // `KVSWAP_STATUS_INVALID_ARGUMENT` for `CU_STREAM_LEGACY` (1) and
@@ -637,6 +638,20 @@ enum KvswapStatus kvswap_layer_staging(struct KvswapContext *ctx,
 // `KVSWAP_STATUS_PANIC` for a layer an earlier call panicked in (the other
 // layers are still cleared).
 enum KvswapStatus kvswap_sync(struct KvswapContext *ctx, KvswapStream stream);
+
+// `kvswap_sync` for one layer, for engines that drive layers from several
+// threads: waits for `stream` as a whole (as `kvswap_sync`; NULL: nothing),
+// then for the layer's last eager call, and returns the first error an
+// asynchronous call of this layer recorded since its last synchronising
+// call, clearing it. The other layers' errors are left for their own
+// syncs, `kvswap_layer_stats` or `kvswap_sync`.
+// Errors: the deferred ones of `kvswap_sync`; `KVSWAP_STATUS_NULL_POINTER`
+// (NULL `ctx`); `KVSWAP_STATUS_OUT_OF_RANGE` (a bad layer, before any
+// wait); on CUDA the stream errors of `kvswap_sync` (a capturing stream,
+// `CU_STREAM_LEGACY`, another device's stream) and
+// `KVSWAP_STATUS_DEVICE_ERROR` when a wait fails; `KVSWAP_STATUS_PANIC` (a
+// layer left unusable by an earlier panic).
+enum KvswapStatus kvswap_layer_sync(struct KvswapContext *ctx, uint32_t layer, KvswapStream stream);
 
 // Writes what the context runs on to `*out`.
 // Errors: `KVSWAP_STATUS_NULL_POINTER`, `KVSWAP_STATUS_INVALID_ARGUMENT`

@@ -369,6 +369,15 @@ impl Context {
         self.sync()
     }
 
+    /// Waits for `stream` (when given) and for `layer`'s outstanding device
+    /// work, and returns that layer's deferred error only (clearing it):
+    /// the other layers' errors stay for their own syncs.
+    pub fn sync_layer(&self, layer: usize, stream: StreamHandle) -> Result<()> {
+        self.plan(layer)?;
+        self.backend.sync_stream(stream)?;
+        self.layer(layer)?.sync()
+    }
+
     /// Waits for outstanding device work of every layer and returns the first
     /// deferred error (clearing all of them).
     pub fn sync(&self) -> Result<()> {
@@ -578,6 +587,26 @@ mod tests {
         assert!(e.message.contains("layer 1"), "{e}");
         ctx.sync().unwrap(); // layer 2's was cleared too
         ctx.stats(2).unwrap();
+    }
+
+    /// A layer's sync returns its own deferred error only: another
+    /// layer's stays for kvswap_sync (or its own layer sync).
+    #[test]
+    fn a_layer_sync_returns_its_own_error_only() {
+        let config = Config { backend: BackendChoice::Cpu, enable: true, sync: false, gpu_chunks: 4, index_topk: 4, ..Config::default() };
+        let spec = KvswapLayerSpec { compressed_cap: 16, chunk_bytes: 32, staging: std::ptr::null_mut(), staging_stride: 0 };
+        let ctx = Context::new(config, &[spec, spec, spec]).unwrap();
+        let (mut a, mut b) = ([9i32], [99i32]);
+        ctx.swap_in(0, &mut a, 0).unwrap();
+        ctx.swap_in(2, &mut b, 0).unwrap();
+        assert_eq!(ctx.sync_layer(3, 0).unwrap_err().status, KvswapStatus::OutOfRange, "bad layer");
+        ctx.sync_layer(1, 0).unwrap();
+        let e = ctx.sync_layer(2, 0).unwrap_err();
+        assert!(e.status == KvswapStatus::OutOfRange && e.message.contains("layer 2"), "{e}");
+        ctx.sync_layer(2, 0).unwrap();
+        let e = ctx.sync().unwrap_err();
+        assert!(e.status == KvswapStatus::NotStored && e.message.contains("layer 0"), "layer 0's error was kept: {e}");
+        ctx.sync_layer(0, 0).unwrap();
     }
 
     /// sync() goes on past a poisoned layer: a later layer's deferred error
