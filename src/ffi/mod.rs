@@ -24,9 +24,10 @@ pub use scorer::*;
 /// An engine stream: a `CUstream` on the CUDA backend (NULL is refused there:
 /// kvswap never uses the legacy default stream; `kvswap_sync` alone takes
 /// NULL, see there; `CU_STREAM_LEGACY` is refused too); ignored on the CPU
-/// backend. Calls can be captured into a CUDA graph only with
-/// `KVSWAP_SYNC=0` (a synchronous call waits for the device: refused with
-/// KVSWAP_STATUS_INVALID_ARGUMENT while its stream is captured).
+/// backend. Swap-ins can be captured into a CUDA graph only with
+/// `KVSWAP_SYNC=0` (a synchronous one waits for the device: refused with
+/// KVSWAP_STATUS_INVALID_ARGUMENT while its stream is captured); stores and
+/// forgets can be captured with either setting.
 ///
 /// Ordering on CUDA: a layer's eager call on another stream handle than its
 /// previous eager call (or on `CU_STREAM_PER_THREAD`, a different stream in
@@ -453,13 +454,17 @@ pub extern "C" fn kvswap_swap_in_layers(
 /// made after it see the chunks forgotten. A call that forgets every chunk,
 /// not captured, makes a layer that a failed copy launch left unusable (see
 /// `kvswap_swap_in_selected`) usable again: no slot holds a chunk then.
-/// `n` 0 changes nothing. Errors (nothing changed):
+/// `n` 0 changes nothing. Errors (nothing changed, except as said for the
+/// last one):
 /// `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`); `KVSWAP_STATUS_OUT_OF_RANGE`
 /// (a bad layer, a negative `first_id`, `first_id + n` above
 /// `compressed_cap`); `KVSWAP_STATUS_INVALID_ARGUMENT` (on CUDA the NULL
 /// stream or `CU_STREAM_LEGACY`); `KVSWAP_STATUS_WRONG_DEVICE` (a stream of
-/// another device); `KVSWAP_STATUS_DEVICE_ERROR` (the launch failed);
-/// `KVSWAP_STATUS_PANIC` (a layer left unusable by an earlier panic).
+/// another device); `KVSWAP_STATUS_PANIC` (a layer left unusable by an
+/// earlier panic); `KVSWAP_STATUS_DEVICE_ERROR`: the launch failed (nothing
+/// changed), or the launch was queued but the event that orders the layer's
+/// later calls after it could not be recorded: the call then waits for the
+/// stream on the host before it returns this, and the chunks are forgotten.
 #[no_mangle]
 pub extern "C" fn kvswap_layer_forget(
     ctx: *mut KvswapContext,

@@ -275,8 +275,8 @@ impl CudaBackend {
                     }
                     Error::device(format!(
                         "layers {}: the copy kernel could not be launched after the residency update ({both}), so some \
-                         of their slots are mapped to chunks whose bytes were never copied; destroy the context and \
-                         create it again",
+                         of their slots are mapped to chunks whose bytes were never copied; forget all their chunks \
+                         (kvswap_layer_forget) or destroy the context",
                         named.join(", ")
                     ))
                 });
@@ -895,8 +895,9 @@ impl LayerOps for CudaLayer {
             return Ok(());
         }
         self.order(s, stream, capture)?;
-        // Stored-bit words to clear, 256 per block (block 0 also reorders the
-        // slots, so it takes up to 1024 threads for them).
+        // Stored-bit words to clear, about 1024 per block (grid-stride, at
+        // most 4 blocks per SM); block 0 also reorders the slots, so a
+        // swapping layer's blocks take up to 1024 threads.
         let words = ((first + n - 1) / 32 - first / 32 + 1) as u64;
         let grid = words.div_ceil(1024).clamp(1, self.sh.device.sm_count as u64 * 4) as u32;
         let threads = if self.dev.identity != 0 { 256 } else { self.plan.slots.next_multiple_of(32).clamp(256, 1024) };
