@@ -3052,6 +3052,19 @@ static void test_fm_scoring(const char *ckpt) {
     CHECK_OK(fm_scorer_set_sync(s, 1));
     group_done("fm_scorer_set_sync: 0 and 1 accepted, a bad value and NULL refused");
 
+    /* fm_scorer_reserve: the limits of a batch, the stream's checks on CUDA;
+     * a valid reservation is OK (twice: the second changes nothing). */
+    CHECK_ERR(fm_scorer_reserve(NULL, 1, 100, dm_stream()), KVSWAP_STATUS_NULL_POINTER, "scorer");
+    CHECK_ERR(fm_scorer_reserve(s, 0, 100, dm_stream()), KVSWAP_STATUS_INVALID_ARGUMENT, "n_seqs is 0");
+    CHECK_MSG("fm_scorer_reserve");
+    CHECK_ERR(fm_scorer_reserve(s, 1, 0, dm_stream()), KVSWAP_STATUS_INVALID_ARGUMENT, "n_chunks is 0");
+    CHECK_ERR(fm_scorer_reserve(s, FM_MAX_SEQS + 1, 100, dm_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "FM_MAX_SEQS");
+    CHECK_ERR(fm_scorer_reserve(s, 1, FM_MAX_CHUNKS + 1, dm_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "FM_MAX_CHUNKS");
+    if (dm_is_cuda()) CHECK_ERR(fm_scorer_reserve(s, 1, 100, NULL), KVSWAP_STATUS_INVALID_ARGUMENT, "legacy default stream");
+    CHECK_OK(fm_scorer_reserve(s, 3, 5000, dm_stream()));
+    CHECK_OK(fm_scorer_reserve(s, 1, 100, dm_stream()));
+    group_done("fm_scorer_reserve: NULL, 0 and over-limit sizes (and on CUDA the NULL stream) refused; a reservation OK");
+
     /* KVSWAP_FM_QUERY, read by fm_scorer_load: a bad value is refused
      * naming it (out untouched), `wide` is the loaded scorer's default. */
     CHECK(setenv("KVSWAP_FM_QUERY", "bogus", 1) == 0);
@@ -3723,6 +3736,17 @@ static void test_fm_bounds(void) {
     CHECK_OK(fm_bounds_set_sync(-1, 0));
     CHECK_OK(fm_bounds_set_sync(5, 1));
     CHECK_OK(fm_bounds_set_sync(5, 2)); /* back to KVSWAP_SYNC */
+    /* fm_bounds_reserve: device and size checks; the CPU has no workspace. */
+    CHECK_ERR(fm_bounds_reserve(-2, 10, NULL), KVSWAP_STATUS_INVALID_ARGUMENT, "device = -2");
+    CHECK_MSG("fm_bounds_reserve");
+    CHECK_ERR(fm_bounds_reserve(-1, 0, NULL), KVSWAP_STATUS_INVALID_ARGUMENT, "n_chunks is 0");
+    CHECK_ERR(fm_bounds_reserve(-1, FM_MAX_CHUNKS + 1, NULL), KVSWAP_STATUS_OUT_OF_RANGE, "FM_MAX_CHUNKS");
+    CHECK_OK(fm_bounds_reserve(-1, 1000, NULL));
+    if (!dm_driver_present()) CHECK_ERR(fm_bounds_reserve(0, 1000, NULL), KVSWAP_STATUS_NO_DEVICE, "CUDA");
+    if (dm_is_cuda()) {
+        CHECK_ERR(fm_bounds_reserve(0, 1000, NULL), KVSWAP_STATUS_INVALID_ARGUMENT, "legacy default stream");
+        CHECK_OK(fm_bounds_reserve(0, 1000, dm_stream()));
+    }
     /* Values: NaN query, Inf bound, min above max (the CPU checks them all first). */
     float *q_bad = (float *)malloc(dim * sizeof(float)), *lo_bad = (float *)malloc(nc * dim * sizeof(float));
     CHECK(q_bad && lo_bad);

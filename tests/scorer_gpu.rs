@@ -1224,3 +1224,79 @@ fn cuda_scorer_graph_replay_reports_nan_through_sync() {
     check_topk(&replay(), &scores, &tol, k as usize, "replay after the error");
     scorer.sync(st as u64).unwrap();
 }
+
+/// `fm_scorer_reserve` / `fm_bounds_reserve`: a stream on which nothing was
+/// called yet is captured into a CUDA graph after a reservation, for one
+/// sequence and for a batch, and its replays equal the calls made on
+/// another stream. Without the reservation the same capture is refused (the
+/// workspace would have to be allocated inside it), and a reservation on a
+/// stream being captured is refused.
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_reserve_lets_a_new_stream_be_captured() {
+    let (mut rng, d, ckpt) = bench_setup("scorer gpu reserve");
+    let scorer = Scorer::with_sync(ckpt.clone(), 0, false).unwrap();
+    let k = 128u32;
+    let dtypes = [KeyDtype::Bf16, KeyDtype::Fp8E4m3, KeyDtype::F32];
+    // Each sequence is scored alone on d.stream first (`singles`).
+    let batch = random_batch(&d, &mut rng, &scorer, 5, k, &dtypes, (500, 3000), |_, _| {});
+    let _g = d.dev.bind().unwrap();
+    let fresh = OwnedStream::new().unwrap();
+    let fs = fresh.0;
+    let capture = || {
+        Graph::capture(fs, || unsafe {
+            scorer.score_topk_batch(&batch.seqs[1..], k, fs as u64)?;
+            scorer.score_topk(&batch.seqs[0], k, fs as u64)
+        })
+    };
+    let e = capture().err().expect("a first call captured on a new stream must be refused");
+    assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
+    assert!(e.message.contains("cannot grow while the stream is captured"), "{e}");
+    let e = Graph::capture(fs, || scorer.reserve(4, 3500, fs as u64)).err().expect("a reservation in a capture");
+    assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
+    assert!(e.message.contains("being captured"), "{e}");
+    for (seqs, chunks) in [(0, 10), (1, 0), (4097, 10), (1, (4 << 20) + 1)] {
+        assert!(scorer.reserve(seqs, chunks, fs as u64).is_err(), "reserve({seqs}, {chunks})");
+    }
+    scorer.reserve(4, 3500, fs as u64).unwrap();
+    scorer.reserve(1, 100, fs as u64).unwrap(); // already as large: nothing
+    let graph = capture().unwrap();
+    for round in 0..2 {
+        for b in &batch.bufs {
+            d.upload_into(&b.out, &vec![0x5au8; 4 * k as usize]);
+        }
+        graph.launch(fs).unwrap();
+        fresh.sync().unwrap();
+        scorer.sync(fs as u64).unwrap();
+        for (i, b) in batch.bufs.iter().enumerate() {
+            assert_eq!(d.download_i32(&b.out, k as usize), batch.singles[i], "round {round}: sequence {i}");
+        }
+    }
+
+    // The bounds scorer (sync 0 set for device 0, so that it can be
+    // captured; the setting is cleared again at the end).
+    let (dim, n) = (128usize, 20_000usize);
+    let q: Vec<f32> = (0..dim).map(|_| gauss(&mut rng)).collect();
+    let lo: Vec<f32> = (0..n * dim).map(|_| gauss(&mut rng)).collect();
+    let hi: Vec<f32> = lo.iter().map(|v| v + (rng.below(1000) as f32) / 500.0).collect();
+    let (qb, lb, hb) = (d.upload(&f32_bytes(&q)), d.upload(&f32_bytes(&lo)), d.upload(&f32_bytes(&hi)));
+    let (eager, graphed) = (d.upload(&vec![0x22u8; 4 * k as usize]), d.upload(&vec![0x33u8; 4 * k as usize]));
+    let bref = |out: u64| kvswap::scorer::BoundsRef { query: qb.ptr, min: lb.ptr, max: hb.ptr, dim, n_chunks: n, out };
+    kvswap::scorer::set_bounds_sync(0, Some(false)).unwrap();
+    let result = (|| {
+        unsafe { kvswap::scorer::bounds_topk(0, &bref(eager.ptr), k, d.stream.0 as u64)? };
+        let bs = OwnedStream::new()?;
+        let bcap = || Graph::capture(bs.0, || unsafe { kvswap::scorer::bounds_topk(0, &bref(graphed.ptr), k, bs.0 as u64) });
+        let e = bcap().err().expect("a first bounds call captured on a new stream must be refused");
+        assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
+        kvswap::scorer::bounds_reserve(0, n, bs.0 as u64)?;
+        let g = bcap()?;
+        g.launch(bs.0)?;
+        bs.sync()?;
+        kvswap::scorer::bounds_sync(0, bs.0 as u64)?;
+        kvswap::scorer::bounds_sync(0, d.stream.0 as u64)
+    })();
+    kvswap::scorer::set_bounds_sync(0, None).unwrap();
+    result.unwrap();
+    assert_eq!(d.download_i32(&graphed, k as usize), d.download_i32(&eager, k as usize), "bounds: graph replay vs eager call");
+}

@@ -308,6 +308,29 @@ pub extern "C" fn fm_scorer_set_sync(scorer: *mut FmScorer, sync: u32) -> Kvswap
     set_choice("fm_scorer_set_sync", scorer, "sync", sync, &[(0, false), (1, true)], "0 or 1", Scorer::set_sync)
 }
 
+/// Allocates `stream`'s workspace (CUDA) for every call of up to `n_seqs`
+/// sequences of up to `n_chunks` chunks each (`fm_score_topk` is one
+/// sequence), so that those calls on `stream` neither allocate nor wait:
+/// call it before capturing the stream into a CUDA graph, instead of a
+/// warm-up call with real inputs. A later call with more chunks or
+/// sequences grows the workspace again (and waits). This call waits for
+/// the stream when it allocates (a workspace already as large changes
+/// nothing and waits for nothing). On the CPU backend there is no
+/// workspace: the arguments are checked and `stream` is ignored.
+/// Errors (nothing allocated): `KVSWAP_STATUS_NULL_POINTER` (NULL
+/// `scorer`); `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `scorer`,
+/// `n_seqs` or `n_chunks` 0; on CUDA the NULL (legacy) stream, a stream
+/// being captured); `KVSWAP_STATUS_OUT_OF_RANGE` (`n_seqs` above
+/// FM_MAX_SEQS, `n_chunks` above FM_MAX_CHUNKS);
+/// `KVSWAP_STATUS_WRONG_DEVICE` (a stream of another device);
+/// `KVSWAP_STATUS_OUT_OF_MEMORY` (the workspace: about 12 bytes per chunk
+/// of up to 64 sequences, plus their projections);
+/// `KVSWAP_STATUS_DEVICE_ERROR` (a failed wait or clear).
+#[no_mangle]
+pub extern "C" fn fm_scorer_reserve(scorer: *const FmScorer, n_seqs: usize, n_chunks: usize, stream: KvswapStream) -> KvswapStatus {
+    boundary("fm_scorer_reserve", || scorer_ref(scorer)?.reserve(n_seqs, n_chunks, stream as u64))
+}
+
 /// Scores `n_chunks` chunks and writes the top-k chunk ids to
 /// `out_indices[0 .. k)`: descending score, ties to the lower id, padded
 /// with -1 when `n_chunks < k`.
@@ -346,11 +369,11 @@ pub extern "C" fn fm_scorer_set_sync(scorer: *mut FmScorer, sync: u32) -> Kvswap
 /// ignored; on CUDA `hidden`, `keys->data`, `keys->scales` and
 /// `out_indices` are device pointers (`keys` itself is host memory) and the
 /// work is ordered on `stream`. The first call on a stream, and a call with more chunks than
-/// any before on it, allocates the stream's workspace: make that call
-/// before capturing the stream, and not while another thread captures in
-/// `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then): warm up
-/// with the shape you will capture (for a batch, its launch groups' chunks
-/// in all). Such a call also waits for the stream, with either
+/// any before on it, allocates the stream's workspace: make that call, or
+/// `fm_scorer_reserve` for the shapes you will capture, before capturing
+/// the stream, and not while another thread captures in
+/// `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then). Such a
+/// call also waits for the stream, with either
 /// `KVSWAP_SYNC` (the new workspace is cleared and an old one's pending
 /// error moved over before the old one is freed). A workspace (about 12 bytes per chunk, plus the projections of
 /// up to 64 sequences) stays until the scorer is freed, one per stream (and
@@ -476,8 +499,8 @@ pub extern "C" fn fm_score_topk_batch(
 /// -1 and `fm_bounds_sync` returns the error). On CUDA each stream
 /// gets a workspace (about 12 bytes per chunk of its largest call) for the
 /// life of the process; it is allocated or grown by a call, not while the
-/// stream is captured: warm up with the largest `n_chunks` first (that call
-/// waits for the stream). On CUDA the device's sync setting is the one
+/// stream is captured: call `fm_bounds_reserve` with the largest `n_chunks`
+/// (or make a call of that size) first; that call waits for the stream. On CUDA the device's sync setting is the one
 /// `fm_bounds_set_sync` gave it, else each call reads `KVSWAP_SYNC` from
 /// the environment; calls with either value share the device's error
 /// records, so an error a sync 0 call left on a stream makes the later
@@ -574,6 +597,24 @@ pub extern "C" fn fm_bounds_sync(device: i32, stream: KvswapStream) -> KvswapSta
         args::check_device(device)?;
         scorer::bounds_sync(device, stream as u64)
     })
+}
+
+/// `fm_scorer_reserve` for the bounds scorer of `device`: allocates
+/// `stream`'s workspace for every `fm_bounds_topk` call of up to `n_chunks`
+/// chunks there, so those calls neither allocate nor wait (call it before
+/// capturing the stream). The first call on a device also compiles the
+/// kernels. On the CPU (`device` -1) the arguments are checked and nothing
+/// else happens.
+/// Errors (nothing allocated): `KVSWAP_STATUS_INVALID_ARGUMENT` (`device <
+/// -1`, `n_chunks` 0, on CUDA the NULL stream or a stream being captured);
+/// `KVSWAP_STATUS_OUT_OF_RANGE` (`n_chunks` above FM_MAX_CHUNKS);
+/// `KVSWAP_STATUS_NO_DEVICE`, `KVSWAP_STATUS_UNSUPPORTED` and
+/// `KVSWAP_STATUS_DEVICE_ERROR` as for `fm_bounds_topk`'s first call on a
+/// device; `KVSWAP_STATUS_WRONG_DEVICE` (a stream of another device);
+/// `KVSWAP_STATUS_OUT_OF_MEMORY` (the workspace).
+#[no_mangle]
+pub extern "C" fn fm_bounds_reserve(device: i32, n_chunks: usize, stream: KvswapStream) -> KvswapStatus {
+    boundary("fm_bounds_reserve", || scorer::bounds_reserve(device, n_chunks, stream as u64))
 }
 
 /// Builds per-chunk key bounds on the CPU (host pointers) for

@@ -139,6 +139,14 @@ pub trait ScorerBackend: Send + Sync {
     /// Whether later calls wait for the device and return their own errors
     /// (a device backend; the CPU always reports at once).
     fn set_sync(&self, _sync: bool) {}
+
+    /// Makes `stream`'s workspace large enough for every call of up to
+    /// `seqs` sequences of up to `chunks` chunks each (arguments already
+    /// checked), so those calls neither allocate nor wait. The CPU keeps no
+    /// workspace.
+    fn reserve(&self, _seqs: usize, _chunks: usize, _stream: StreamHandle) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Scores chunks by their key bounds (training-free) and writes the top-k.
@@ -152,6 +160,11 @@ pub trait BoundsBackend: Send + Sync {
     /// Every address of `b` is valid in the backend's memory space for the
     /// sizes it describes; `b.out` is not accessed by anyone else meanwhile.
     unsafe fn bounds_topk(&self, b: &BoundsRef, k: usize, stream: StreamHandle) -> Result<()>;
+
+    /// As [`ScorerBackend::reserve`], for calls of up to `chunks` chunks.
+    fn reserve(&self, _chunks: usize, _stream: StreamHandle) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// The scoring backend for `device`: -1 is the CPU reference, >= 0 a CUDA

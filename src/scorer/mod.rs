@@ -192,6 +192,16 @@ impl Scorer {
         self.backend.sync_errors(stream)
     }
 
+    /// Makes `stream`'s workspace (CUDA) large enough for every call of up
+    /// to `seqs` sequences of up to `chunks` chunks each, so that those
+    /// calls neither allocate nor wait: what to do before capturing the
+    /// stream. Nothing on the CPU, past the argument checks.
+    pub fn reserve(&self, seqs: usize, chunks: usize, stream: StreamHandle) -> Result<()> {
+        args::check_batch(seqs)?;
+        args::check_n_chunks(chunks)?;
+        self.backend.reserve(seqs, chunks, stream)
+    }
+
     /// One sequence: checks the arguments, then scores and writes the top-k.
     ///
     /// # Safety
@@ -240,6 +250,14 @@ pub unsafe fn bounds_topk(device: i32, b: &BoundsRef, k: u32, stream: StreamHand
     let backend = backend::open_bounds(device)?;
     // SAFETY: arguments checked above; memory validity is the caller's promise.
     unsafe { backend.bounds_topk(b, k as usize, stream) }
+}
+
+/// As [`Scorer::reserve`] for the bounds scorer of `device` (-1: the CPU,
+/// nothing past the checks): calls of up to `chunks` chunks on `stream`.
+pub fn bounds_reserve(device: i32, chunks: usize, stream: StreamHandle) -> Result<()> {
+    args::check_device(device)?;
+    args::check_n_chunks(chunks)?;
+    backend::open_bounds(device)?.reserve(chunks, stream)
 }
 
 /// Sets (Some) or clears (None: back to `KVSWAP_SYNC`, read per call)

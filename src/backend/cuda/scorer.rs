@@ -365,7 +365,8 @@ impl Workspaces {
             if capturing {
                 return Err(Error::invalid(format!(
                     "the scorer's workspace for this stream is smaller than this call ({seqs} sequences, {chunks} chunks) \
-                     and cannot grow while the stream is captured: run the call once before capturing"
+                     and cannot grow while the stream is captured: reserve it before capturing \
+                     (fm_scorer_reserve, fm_bounds_reserve) or make a call of this size first"
                 )));
             }
             let (new_s, new_c) = grown_shape(ws.as_ref().map(|w| (w.seqs, w.chunks)), seqs, chunks);
@@ -1119,6 +1120,24 @@ impl ScorerBackend for CudaScorer {
     fn set_sync(&self, sync: bool) {
         self.sync.store(sync, Ordering::Relaxed);
     }
+
+    fn reserve(&self, seqs: usize, chunks: usize, stream: StreamHandle) -> Result<()> {
+        let dev = self.device();
+        let _g = dev.bind()?;
+        let s = check_stream(dev, stream)?;
+        if driver::is_capturing(s)? {
+            return Err(Error::invalid(
+                "the stream is being captured: its scorer workspace cannot be allocated inside a capture; reserve before capturing",
+            ));
+        }
+        // A call's largest launch group: up to MAX_BATCH sequences, each
+        // run of chunks starting at a multiple of 32 (as `run` sizes it).
+        let group = seqs.min(MAX_BATCH);
+        let _quiet = crate::logging::defer();
+        let slot = self.workspaces.slot(s);
+        let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
+        self.workspaces.ensure(&mut held, s, false, group, group * chunks.next_multiple_of(32), self.q_elems(), self.w_elems()).map(|_| ())
+    }
 }
 
 /// The key-bounds scorer on one GPU (shared by every call on that device).
@@ -1209,6 +1228,21 @@ pub struct CudaBoundsHandle(pub Arc<CudaBounds>, pub bool);
 impl BoundsBackend for CudaBoundsHandle {
     fn kind(&self) -> BackendKind {
         BackendKind::Cuda
+    }
+    fn reserve(&self, chunks: usize, stream: StreamHandle) -> Result<()> {
+        let me = &*self.0;
+        let dev = &me.launch.device;
+        let _g = dev.bind()?;
+        let s = check_stream(dev, stream)?;
+        if driver::is_capturing(s)? {
+            return Err(Error::invalid(
+                "the stream is being captured: its bounds workspace cannot be allocated inside a capture; reserve before capturing",
+            ));
+        }
+        let _quiet = crate::logging::defer();
+        let slot = me.workspaces.slot(s);
+        let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
+        me.workspaces.ensure(&mut held, s, false, 1, chunks, 0, 0).map(|_| ())
     }
     unsafe fn bounds_topk(&self, b: &BoundsRef, k: usize, stream: StreamHandle) -> Result<()> {
         let (me, sync) = (&*self.0, self.1);
