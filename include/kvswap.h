@@ -814,22 +814,26 @@ enum KvswapStatus fm_scorer_set_sync(struct FmScorer *scorer, uint32_t sync);
 
 // Allocates `stream`'s workspace (CUDA) for every call of up to `n_seqs`
 // sequences of up to `n_chunks` chunks each (`fm_score_topk` is one
-// sequence), so that those calls on `stream` neither allocate nor wait:
-// call it before capturing the stream into a CUDA graph, instead of a
-// warm-up call with real inputs. A later call with more chunks or
-// sequences grows the workspace again (and waits). This call waits for
-// the stream when it allocates (a workspace already as large changes
-// nothing and waits for nothing). On the CPU backend there is no
-// workspace: the arguments are checked and `stream` is ignored.
-// Errors (nothing allocated): `KVSWAP_STATUS_NULL_POINTER` (NULL
+// sequence), so that those calls on `stream` need no allocation, nor the
+// wait for the stream that comes with one: call it before capturing the
+// stream into a CUDA graph, instead of a warm-up call with real inputs. A
+// later call with more chunks or sequences grows the workspace again
+// (and waits). This call waits for the stream when it allocates (a
+// workspace already as large changes nothing and waits for nothing); do
+// not make it while another thread captures in
+// `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then, and that
+// capture is invalidated). On the CPU backend there is no workspace: the
+// arguments are checked and `stream` is ignored.
+// Errors (no workspace allocated): `KVSWAP_STATUS_NULL_POINTER` (NULL
 // `scorer`); `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `scorer`,
 // `n_seqs` or `n_chunks` 0; on CUDA the NULL (legacy) stream, a stream
 // being captured); `KVSWAP_STATUS_OUT_OF_RANGE` (`n_seqs` above
 // FM_MAX_SEQS, `n_chunks` above FM_MAX_CHUNKS);
 // `KVSWAP_STATUS_WRONG_DEVICE` (a stream of another device);
 // `KVSWAP_STATUS_OUT_OF_MEMORY` (the workspace: about 12 bytes per chunk
-// of up to 64 sequences, plus their projections);
-// `KVSWAP_STATUS_DEVICE_ERROR` (a failed wait or clear).
+// of up to 64 sequences, plus about 33 KB and the projections per
+// sequence); `KVSWAP_STATUS_DEVICE_ERROR` (an allocation, clear or wait
+// the driver refuses, as during another thread's global-mode capture).
 enum KvswapStatus fm_scorer_reserve(const struct FmScorer *scorer,
                                     size_t n_seqs,
                                     size_t n_chunks,
@@ -1034,17 +1038,20 @@ enum KvswapStatus fm_bounds_sync(int32_t device, KvswapStream stream);
 
 // `fm_scorer_reserve` for the bounds scorer of `device`: allocates
 // `stream`'s workspace for every `fm_bounds_topk` call of up to `n_chunks`
-// chunks there, so those calls neither allocate nor wait (call it before
-// capturing the stream). The first call on a device also compiles the
-// kernels. On the CPU (`device` -1) the arguments are checked and nothing
+// chunks there, so those calls need no allocation (call it before
+// capturing the stream; not during another thread's global-mode
+// capture). The first call on a device also compiles the kernels (kept
+// for the process, also when the call then fails). The sync setting plays
+// no part. On the CPU (`device` -1) the arguments are checked and nothing
 // else happens.
-// Errors (nothing allocated): `KVSWAP_STATUS_INVALID_ARGUMENT` (`device <
-// -1`, `n_chunks` 0, on CUDA the NULL stream or a stream being captured);
-// `KVSWAP_STATUS_OUT_OF_RANGE` (`n_chunks` above FM_MAX_CHUNKS);
-// `KVSWAP_STATUS_NO_DEVICE`, `KVSWAP_STATUS_UNSUPPORTED` and
-// `KVSWAP_STATUS_DEVICE_ERROR` as for `fm_bounds_topk`'s first call on a
-// device; `KVSWAP_STATUS_WRONG_DEVICE` (a stream of another device);
-// `KVSWAP_STATUS_OUT_OF_MEMORY` (the workspace).
+// Errors (no workspace allocated): `KVSWAP_STATUS_INVALID_ARGUMENT`
+// (`device < -1`, `n_chunks` 0, on CUDA the NULL stream or a stream being
+// captured); `KVSWAP_STATUS_OUT_OF_RANGE` (`n_chunks` above
+// FM_MAX_CHUNKS); `KVSWAP_STATUS_NO_DEVICE`, `KVSWAP_STATUS_UNSUPPORTED`
+// and `KVSWAP_STATUS_DEVICE_ERROR` as for `fm_bounds_topk`'s first call on
+// a device; `KVSWAP_STATUS_WRONG_DEVICE` (a stream of another device);
+// `KVSWAP_STATUS_OUT_OF_MEMORY` (the workspace); `KVSWAP_STATUS_DEVICE_ERROR`
+// (an allocation, clear or wait the driver refuses).
 enum KvswapStatus fm_bounds_reserve(int32_t device, size_t n_chunks, KvswapStream stream);
 
 // Builds per-chunk key bounds on the CPU (host pointers) for

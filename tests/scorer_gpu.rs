@@ -1273,6 +1273,25 @@ fn cuda_reserve_lets_a_new_stream_be_captured() {
         }
     }
 
+    // A reservation of exactly the captured shape, where each part of its
+    // sizing counts: 70 sequences of 1-5 chunks take a launch group of 64
+    // sequences of 32 chunks each (rows start at multiples of 32): 2,048
+    // chunks, not 64 x 5 = 320 rounded up to 512.
+    let tight = random_batch(&d, &mut rng, &scorer, 70, k, &[KeyDtype::Bf16], (1, 5), |_, _| {});
+    let fresh2 = OwnedStream::new().unwrap();
+    let f2 = fresh2.0;
+    scorer.reserve(70, 5, f2 as u64).unwrap();
+    let graph = Graph::capture(f2, || unsafe { scorer.score_topk_batch(&tight.seqs, k, f2 as u64) }).unwrap();
+    for b in &tight.bufs {
+        d.upload_into(&b.out, &vec![0x5au8; 4 * k as usize]);
+    }
+    graph.launch(f2).unwrap();
+    fresh2.sync().unwrap();
+    scorer.sync(f2 as u64).unwrap();
+    for (i, b) in tight.bufs.iter().enumerate() {
+        assert_eq!(d.download_i32(&b.out, k as usize), tight.singles[i], "70 short sequences: sequence {i}");
+    }
+
     // The bounds scorer (sync 0 set for device 0, so that it can be
     // captured; the setting is cleared again at the end).
     let (dim, n) = (128usize, 20_000usize);
@@ -1282,13 +1301,21 @@ fn cuda_reserve_lets_a_new_stream_be_captured() {
     let (qb, lb, hb) = (d.upload(&f32_bytes(&q)), d.upload(&f32_bytes(&lo)), d.upload(&f32_bytes(&hi)));
     let (eager, graphed) = (d.upload(&vec![0x22u8; 4 * k as usize]), d.upload(&vec![0x33u8; 4 * k as usize]));
     let bref = |out: u64| kvswap::scorer::BoundsRef { query: qb.ptr, min: lb.ptr, max: hb.ptr, dim, n_chunks: n, out };
+    struct ResetBoundsSync;
+    impl Drop for ResetBoundsSync {
+        fn drop(&mut self) {
+            let _ = kvswap::scorer::set_bounds_sync(0, None);
+        }
+    }
     kvswap::scorer::set_bounds_sync(0, Some(false)).unwrap();
+    let _reset = ResetBoundsSync;
     let result = (|| {
         unsafe { kvswap::scorer::bounds_topk(0, &bref(eager.ptr), k, d.stream.0 as u64)? };
         let bs = OwnedStream::new()?;
         let bcap = || Graph::capture(bs.0, || unsafe { kvswap::scorer::bounds_topk(0, &bref(graphed.ptr), k, bs.0 as u64) });
         let e = bcap().err().expect("a first bounds call captured on a new stream must be refused");
         assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
+        assert!(e.message.contains("cannot grow while the stream is captured"), "{e}");
         kvswap::scorer::bounds_reserve(0, n, bs.0 as u64)?;
         let g = bcap()?;
         g.launch(bs.0)?;
@@ -1296,7 +1323,6 @@ fn cuda_reserve_lets_a_new_stream_be_captured() {
         kvswap::scorer::bounds_sync(0, bs.0 as u64)?;
         kvswap::scorer::bounds_sync(0, d.stream.0 as u64)
     })();
-    kvswap::scorer::set_bounds_sync(0, None).unwrap();
     result.unwrap();
     assert_eq!(d.download_i32(&graphed, k as usize), d.download_i32(&eager, k as usize), "bounds: graph replay vs eager call");
 }

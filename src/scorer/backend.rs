@@ -250,6 +250,26 @@ pub fn cuda_bounds(device: i32) -> Result<Box<dyn BoundsBackend>> {
     Ok(Box::new(crate::backend::cuda::scorer::CudaBoundsHandle(b, sync)))
 }
 
+/// Reserves `stream`'s bounds workspace on `device` (-1: the CPU, nothing
+/// to do) for calls of up to `chunks` chunks. The sync setting plays no
+/// part, so `KVSWAP_SYNC` is not read.
+pub fn reserve_bounds(device: i32, chunks: usize, stream: StreamHandle) -> Result<()> {
+    super::args::check_device(device)?;
+    if device == -1 {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let b = crate::backend::cuda::scorer::CudaBounds::get(device)?;
+        crate::backend::cuda::scorer::CudaBoundsHandle(b, true).reserve(chunks, stream)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (chunks, stream);
+        Err(no_cuda_scorer(device))
+    }
+}
+
 /// Without the `cuda` feature a device ordinal is `KVSWAP_STATUS_NO_DEVICE`.
 #[cfg(not(feature = "cuda"))]
 pub fn cuda_scorer(_ckpt: Arc<Checkpoint>, device: i32, _sync: Option<bool>) -> Result<Box<dyn ScorerBackend>> {

@@ -257,7 +257,7 @@ pub unsafe fn bounds_topk(device: i32, b: &BoundsRef, k: u32, stream: StreamHand
 pub fn bounds_reserve(device: i32, chunks: usize, stream: StreamHandle) -> Result<()> {
     args::check_device(device)?;
     args::check_n_chunks(chunks)?;
-    backend::open_bounds(device)?.reserve(chunks, stream)
+    backend::reserve_bounds(device, chunks, stream)
 }
 
 /// Sets (Some) or clears (None: back to `KVSWAP_SYNC`, read per call)
