@@ -1260,18 +1260,22 @@ fn cuda_reserve_lets_a_new_stream_be_captured() {
     }
     scorer.reserve(4, 3500, fs as u64).unwrap();
     scorer.reserve(1, 100, fs as u64).unwrap(); // already as large: nothing
+    // A launch of `graph` on `st` with `b`'s outputs poisoned first: every
+    // output equals its single call.
+    let replay_matches = |graph: &Graph, st: &OwnedStream, b: &RandomBatch, what: &str| {
+        for x in &b.bufs {
+            d.upload_into(&x.out, &vec![0x5au8; 4 * k as usize]);
+        }
+        graph.launch(st.0).unwrap();
+        st.sync().unwrap();
+        scorer.sync(st.0 as u64).unwrap();
+        for (i, x) in b.bufs.iter().enumerate() {
+            assert_eq!(d.download_i32(&x.out, k as usize), b.singles[i], "{what}: sequence {i}");
+        }
+    };
     let graph = capture().unwrap();
-    for round in 0..2 {
-        for b in &batch.bufs {
-            d.upload_into(&b.out, &vec![0x5au8; 4 * k as usize]);
-        }
-        graph.launch(fs).unwrap();
-        fresh.sync().unwrap();
-        scorer.sync(fs as u64).unwrap();
-        for (i, b) in batch.bufs.iter().enumerate() {
-            assert_eq!(d.download_i32(&b.out, k as usize), batch.singles[i], "round {round}: sequence {i}");
-        }
-    }
+    replay_matches(&graph, &fresh, &batch, "replay 1");
+    replay_matches(&graph, &fresh, &batch, "replay 2");
 
     // A reservation of exactly the captured shape, where each part of its
     // sizing counts: 70 sequences of 1-5 chunks take a launch group of 64
@@ -1282,15 +1286,7 @@ fn cuda_reserve_lets_a_new_stream_be_captured() {
     let f2 = fresh2.0;
     scorer.reserve(70, 5, f2 as u64).unwrap();
     let graph = Graph::capture(f2, || unsafe { scorer.score_topk_batch(&tight.seqs, k, f2 as u64) }).unwrap();
-    for b in &tight.bufs {
-        d.upload_into(&b.out, &vec![0x5au8; 4 * k as usize]);
-    }
-    graph.launch(f2).unwrap();
-    fresh2.sync().unwrap();
-    scorer.sync(f2 as u64).unwrap();
-    for (i, b) in tight.bufs.iter().enumerate() {
-        assert_eq!(d.download_i32(&b.out, k as usize), tight.singles[i], "70 short sequences: sequence {i}");
-    }
+    replay_matches(&graph, &fresh2, &tight, "70 short sequences");
 
     // The bounds scorer (sync 0 set for device 0, so that it can be
     // captured; the setting is cleared again at the end).
