@@ -1321,12 +1321,14 @@ static void test_forget(void) {
     CHECK_ERR(kvswap_layer_forget(ctx, 2, 0, 1, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "layer 2");
     CHECK_ERR(kvswap_layer_forget(ctx, 0, -1, 1, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "compressed_cap");
     CHECK_ERR(kvswap_layer_forget(ctx, 0, 90, 11, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "0..100");
-    CHECK_ERR(kvswap_layer_forget(ctx, 0, 0, UINT32_MAX, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "compressed_cap");
+    CHECK_ERR(kvswap_layer_forget(ctx, 0, 0, UINT32_MAX - 1, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "compressed_cap");
     CHECK_ERR(kvswap_layer_forget(ctx, 0, INT32_MAX, 1, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "compressed_cap");
     if (dm_is_cuda())
         CHECK_ERR(kvswap_layer_forget(ctx, 0, 0, 1, NULL), KVSWAP_STATUS_INVALID_ARGUMENT, "legacy default stream");
     same_snapshot_at(__LINE__, ctx, &before);
     CHECK_OK(kvswap_layer_forget(ctx, 0, 100, 0, cur_stream())); /* n 0 at the end: nothing */
+    CHECK_OK(kvswap_layer_forget(ctx, 0, 100, KVSWAP_FORGET_TO_END, cur_stream())); /* to the end, from it */
+    CHECK_ERR(kvswap_layer_forget(ctx, 0, 101, KVSWAP_FORGET_TO_END, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "0..100");
     same_snapshot_at(__LINE__, ctx, &before);
     group_done("kvswap_layer_forget refuses a NULL context, a bad layer or range (and on CUDA the NULL stream), changing nothing");
 
@@ -1359,12 +1361,27 @@ static void test_forget(void) {
         Layer *X = (i % 3 == 0) ? &L1 : &L;
         uint32_t r = rnd(20);
         if (r == 0) {
-            forget_ok(X, 0, X->cap);
+            /* every chunk: by count, or to the end */
+            if (rnd(2)) forget_ok(X, 0, X->cap);
+            else {
+                CHECK_OK(kvswap_layer_forget(X->ctx, X->layer, 0, KVSWAP_FORGET_TO_END, cur_stream()));
+                model_forget(&X->model, 0, X->cap);
+                for (uint32_t id = 0; id < X->cap; id++) X->version[id] = 0;
+                check_stats(X);
+            }
             for (uint32_t id = 0; id < X->cap; id += 1 + rnd(3)) store_one(X, id);
         } else if (r <= 2) {
             uint32_t first = rnd(X->cap);
             forget_ok(X, first, rnd(X->cap - first + 1));
-        } else if (r <= 5) {
+        } else if (r == 3) {
+            /* a tail, to the end */
+            uint32_t first = rnd(X->cap + 1);
+            CHECK_OK(kvswap_layer_forget(X->ctx, X->layer, (int32_t)first, KVSWAP_FORGET_TO_END, cur_stream()));
+            model_forget(&X->model, first, X->cap - first);
+            for (uint32_t id = first; id < X->cap; id++) X->version[id] = 0;
+            check_stats(X);
+            check_staged(X);
+        } else if (r <= 6) {
             store_one(X, rnd(X->cap));
         }
         /* keep enough chunks stored for a probe and a random selection */
@@ -1383,7 +1400,7 @@ static void test_forget(void) {
     probe_lru(&L, 17); /* a layer forgotten whole fills slots 0, 1, ... in order */
     check_stats(&L1);
     kvswap_destroy(ctx);
-    group_done("600 random stores, swap-ins and forgets (ranges and every chunk) on two layers match the reference model");
+    group_done("600 random stores, swap-ins and forgets (ranges, tails to the end, every chunk) on two layers match the reference model");
 }
 
 /* ---- guards on a live context; the state is unchanged after each ---- */

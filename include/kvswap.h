@@ -27,6 +27,11 @@
 // The most layers `kvswap_create` takes.
 #define KVSWAP_MAX_LAYERS (1 << 20)
 
+// `n` of `kvswap_layer_forget`: every chunk from `first_id` to the end of
+// the layer (`compressed_cap`), so an engine can forget a whole layer, or
+// its tail, without its capacity at hand.
+#define KVSWAP_FORGET_TO_END UINT32_MAX
+
 // Most chunks one scoring call accepts (4M = 2^22).
 #define FM_MAX_CHUNKS 4194304
 
@@ -236,7 +241,9 @@ typedef struct KvswapLayerStats {
   uint64_t chunk_bytes;
   // Staging slots of this layer (`compressed_cap` when swap is off for it).
   uint32_t slots;
-  // Chunks currently resident in a slot.
+  // Chunks currently resident in a slot. On a layer with swap off (every
+  // chunk in the slot of its own id), the chunks stored (and not
+  // forgotten since).
   uint32_t resident;
   // 1 when swap is on for this layer, 0 when every chunk stays resident.
   uint32_t swap_enabled;
@@ -581,11 +588,13 @@ enum KvswapStatus kvswap_swap_in_layers(struct KvswapContext *ctx,
 // made after it see the chunks forgotten. A call that forgets every chunk,
 // not captured, makes a layer that a failed copy launch left unusable (see
 // `kvswap_swap_in_selected`) usable again: no slot holds a chunk then.
-// `n` 0 changes nothing. Errors (nothing changed, except as said for the
-// last one):
+// `n` 0 changes nothing; `n` = `KVSWAP_FORGET_TO_END` forgets every chunk
+// from `first_id` on (`kvswap_layer_forget(ctx, l, 0, KVSWAP_FORGET_TO_END,
+// stream)`: the whole layer). Errors (nothing changed, except as said for
+// the last one):
 // `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`); `KVSWAP_STATUS_OUT_OF_RANGE`
-// (a bad layer, a negative `first_id`, `first_id + n` above
-// `compressed_cap`); `KVSWAP_STATUS_INVALID_ARGUMENT` (on CUDA the NULL
+// (a bad layer, a negative `first_id`, `first_id` above `compressed_cap`,
+// `first_id + n` above it for any other `n`); `KVSWAP_STATUS_INVALID_ARGUMENT` (on CUDA the NULL
 // stream or `CU_STREAM_LEGACY`); `KVSWAP_STATUS_WRONG_DEVICE` (a stream of
 // another device); `KVSWAP_STATUS_PANIC` (a layer left unusable by an
 // earlier panic); `KVSWAP_STATUS_DEVICE_ERROR`: the launch failed (nothing

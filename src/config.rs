@@ -371,7 +371,8 @@ impl Config {
                 KvswapStatus::TopkGuard,
                 format!(
                     "gpu_chunks={} < index_topk={}: every selected chunk needs a slot; raise \
-                     KVSWAP_GPU_CHUNKS or set KVSWAP_TEST_ALLOW_TOPK_REDUCTION=1 (tests only)",
+                     KVSWAP_GPU_CHUNKS, or lower KVSWAP_INDEX_TOPK to the k your scorer selects, or set \
+                     KVSWAP_TEST_ALLOW_TOPK_REDUCTION=1 (tests only)",
                     self.gpu_chunks, self.index_topk
                 ),
             ));

@@ -346,8 +346,10 @@ impl Context {
     /// emptied, and the empty slots become least recently used in ascending
     /// slot index; counters and deferred errors are kept. `first` 0 and `n`
     /// = `compressed_cap` give the layer's state at creation.
+    /// `n` = `KVSWAP_FORGET_TO_END` (`u32::MAX`): every chunk from `first` on.
     pub fn forget(&self, layer: usize, first: i32, n: u32, stream: StreamHandle) -> Result<()> {
         let cap = self.plan(layer)?.compressed_cap;
+        let n = if n == crate::ffi::KVSWAP_FORGET_TO_END && first >= 0 && first as u64 <= cap as u64 { cap - first as u32 } else { n };
         if first < 0 || first as u64 + n as u64 > cap as u64 {
             return Err(Error::out_of_range(format!(
                 "layer {layer}: first_id={first} and n={n} name chunks outside 0..{cap} (compressed_cap)"
@@ -647,8 +649,12 @@ mod tests {
         }
         assert_eq!(ctx.forget(2, 0, 1, 0).unwrap_err().status, KvswapStatus::OutOfRange, "bad layer");
         ctx.forget(0, 16, 0, 0).unwrap(); // n 0 at the end: nothing
+        ctx.forget(1, 16, crate::ffi::KVSWAP_FORGET_TO_END, 0).unwrap(); // to the end from the end: nothing
+        assert_eq!(ctx.forget(1, 17, crate::ffi::KVSWAP_FORGET_TO_END, 0).unwrap_err().status, KvswapStatus::OutOfRange);
         assert_eq!(ctx.residency(0).unwrap(), vec![(0, 7), (1, 3), (2, 12)]);
-        ctx.forget(0, 0, 16, 0).unwrap();
+        ctx.forget(0, 12, crate::ffi::KVSWAP_FORGET_TO_END, 0).unwrap(); // the tail 12..16: chunk 12 leaves slot 2
+        assert_eq!(ctx.residency(0).unwrap(), vec![(0, 7), (1, 3)]);
+        ctx.forget(0, 0, crate::ffi::KVSWAP_FORGET_TO_END, 0).unwrap();
         assert!(ctx.residency(0).unwrap().is_empty());
         let e = ctx.stats(0).unwrap_err();
         assert_eq!(e.status, KvswapStatus::OutOfRange, "the deferred error survives the forget: {e}");

@@ -79,7 +79,9 @@ pub struct KvswapLayerStats {
     pub chunk_bytes: u64,
     /// Staging slots of this layer (`compressed_cap` when swap is off for it).
     pub slots: u32,
-    /// Chunks currently resident in a slot.
+    /// Chunks currently resident in a slot. On a layer with swap off (every
+    /// chunk in the slot of its own id), the chunks stored (and not
+    /// forgotten since).
     pub resident: u32,
     /// 1 when swap is on for this layer, 0 when every chunk stays resident.
     pub swap_enabled: u32,

@@ -82,6 +82,11 @@ pub struct KvswapContextInfo {
 /// The most layers `kvswap_create` takes.
 pub const KVSWAP_MAX_LAYERS: usize = 1 << 20;
 
+/// `n` of `kvswap_layer_forget`: every chunk from `first_id` to the end of
+/// the layer (`compressed_cap`), so an engine can forget a whole layer, or
+/// its tail, without its capacity at hand.
+pub const KVSWAP_FORGET_TO_END: u32 = u32::MAX;
+
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
@@ -454,11 +459,13 @@ pub extern "C" fn kvswap_swap_in_layers(
 /// made after it see the chunks forgotten. A call that forgets every chunk,
 /// not captured, makes a layer that a failed copy launch left unusable (see
 /// `kvswap_swap_in_selected`) usable again: no slot holds a chunk then.
-/// `n` 0 changes nothing. Errors (nothing changed, except as said for the
-/// last one):
+/// `n` 0 changes nothing; `n` = `KVSWAP_FORGET_TO_END` forgets every chunk
+/// from `first_id` on (`kvswap_layer_forget(ctx, l, 0, KVSWAP_FORGET_TO_END,
+/// stream)`: the whole layer). Errors (nothing changed, except as said for
+/// the last one):
 /// `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`); `KVSWAP_STATUS_OUT_OF_RANGE`
-/// (a bad layer, a negative `first_id`, `first_id + n` above
-/// `compressed_cap`); `KVSWAP_STATUS_INVALID_ARGUMENT` (on CUDA the NULL
+/// (a bad layer, a negative `first_id`, `first_id` above `compressed_cap`,
+/// `first_id + n` above it for any other `n`); `KVSWAP_STATUS_INVALID_ARGUMENT` (on CUDA the NULL
 /// stream or `CU_STREAM_LEGACY`); `KVSWAP_STATUS_WRONG_DEVICE` (a stream of
 /// another device); `KVSWAP_STATUS_PANIC` (a layer left unusable by an
 /// earlier panic); `KVSWAP_STATUS_DEVICE_ERROR`: the launch failed (nothing
