@@ -1777,6 +1777,13 @@ static void test_async(void) {
     L.swap_calls++;
     model_swap(&L.model, none, 1, 0);
     CHECK_EQ(b7[0], -1);
+    /* A peek at layer 1's counters (one call, nothing resident) leaves its error. */
+    KvswapLayerStats peek;
+    memset(&peek, 0x3C, sizeof peek);
+    CHECK_OK(kvswap_layer_stats_peek(ctx, 1, &peek));
+    CHECK(peek.swap_in_calls == 1 && peek.resident == 0 && peek.misses == 0);
+    CHECK_ERR(kvswap_layer_stats_peek(ctx, 2, &peek), KVSWAP_STATUS_OUT_OF_RANGE, "layer 2");
+    CHECK_ERR(kvswap_layer_stats_peek(ctx, 1, NULL), KVSWAP_STATUS_NULL_POINTER, "out");
     CHECK_ERR(kvswap_layer_sync(NULL, 0, cur_stream()), KVSWAP_STATUS_NULL_POINTER, "ctx");
     CHECK_ERR(kvswap_layer_sync(ctx, 2, cur_stream()), KVSWAP_STATUS_OUT_OF_RANGE, "layer 2");
     CHECK_ERR(kvswap_layer_sync(ctx, 1, cur_stream()), KVSWAP_STATUS_NOT_STORED, "layer 1");
@@ -1795,7 +1802,7 @@ static void test_async(void) {
     check_stats(&L);
     CHECK_OK(kvswap_sync(ctx, cur_stream()));
     kvswap_destroy(ctx);
-    group_done("async mode (sync=0): not-stored entry -> -1, call OK, next sync / layer_stats / layer_sync reports it once (layer_sync its own layer's only)");
+    group_done("async mode (sync=0): not-stored entry -> -1, call OK, next sync / layer_stats / layer_sync reports it once (layer_sync its own layer's only; layer_stats_peek leaves it)");
 }
 
 /* ---- swap off: every chunk resident at its own id ---- */

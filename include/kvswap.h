@@ -610,13 +610,30 @@ enum KvswapStatus kvswap_layer_forget(struct KvswapContext *ctx,
 // Writes the counters of `layer` to `*out`. Waits for the layer's last
 // eager call (after a graph launch, call `kvswap_sync` with the launch
 // stream first) and returns a deferred error of an earlier asynchronous
-// call instead of the counters, if there is one (clearing it).
+// call instead of the counters, if there is one (clearing it;
+// `kvswap_layer_stats_peek` leaves it).
 // Other errors: `KVSWAP_STATUS_NULL_POINTER`, `KVSWAP_STATUS_INVALID_ARGUMENT`
 // (misaligned `out`), `KVSWAP_STATUS_OUT_OF_RANGE` (a bad layer),
 // `KVSWAP_STATUS_PANIC` (a layer left unusable by an earlier panic).
 enum KvswapStatus kvswap_layer_stats(struct KvswapContext *ctx,
                                      uint32_t layer,
                                      struct KvswapLayerStats *out);
+
+// `kvswap_layer_stats` that never takes a deferred error: writes the
+// counters of `layer` to `*out` and leaves an error an earlier
+// asynchronous call deferred for `kvswap_layer_sync`, `kvswap_sync` or
+// `kvswap_layer_stats`. For a thread that polls counters (metrics, logs)
+// beside the threads that drive the layers: `kvswap_layer_stats` would
+// take their errors. Waits for the layer's last eager call, as
+// `kvswap_layer_stats` does (after a graph launch, synchronise the launch
+// stream first).
+// Errors: `KVSWAP_STATUS_NULL_POINTER`, `KVSWAP_STATUS_INVALID_ARGUMENT`
+// (misaligned `out`), `KVSWAP_STATUS_OUT_OF_RANGE` (a bad layer),
+// `KVSWAP_STATUS_PANIC` (a layer left unusable by an earlier panic), on
+// CUDA `KVSWAP_STATUS_DEVICE_ERROR` (the wait or the read-back failed).
+enum KvswapStatus kvswap_layer_stats_peek(struct KvswapContext *ctx,
+                                          uint32_t layer,
+                                          struct KvswapLayerStats *out);
 
 // Writes where the staging rows of `layer` are: `*out_ptr` is slot 0 (the
 // attention kernel's row `window_len`), `*out_stride` the bytes between

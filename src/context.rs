@@ -360,7 +360,13 @@ impl Context {
 
     /// Counters of `layer`; reports a deferred error first.
     pub fn stats(&self, layer: usize) -> Result<KvswapLayerStats> {
-        self.layer(layer)?.stats()
+        self.layer(layer)?.stats(true)
+    }
+
+    /// Counters of `layer`, leaving a deferred error for a later sync
+    /// (`kvswap_layer_stats_peek`).
+    pub fn stats_peek(&self, layer: usize) -> Result<KvswapLayerStats> {
+        self.layer(layer)?.stats(false)
     }
 
     /// Waits for outstanding device work of every layer (and for `stream`,
@@ -492,9 +498,9 @@ impl Drop for Context {
         for (l, m) in self.layers.iter().enumerate() {
             let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
             // A deferred error nobody collected is reported, then the stats.
-            let s = g.stats().or_else(|e| {
+            let s = g.stats(true).or_else(|e| {
                 log::warn!("kvswap: layer={l} error not collected before destroy: {e}");
-                g.stats()
+                g.stats(true)
             });
             if let Ok(s) = s {
                 log::info!("{}", stats_line(l, self.config.gpu_chunks, &s));
@@ -606,6 +612,10 @@ mod tests {
         let e = ctx.sync_layer(2, 0).unwrap_err();
         assert!(e.status == KvswapStatus::OutOfRange && e.message.contains("layer 2"), "{e}");
         ctx.sync_layer(2, 0).unwrap();
+        // A peek at layer 0's counters leaves its error.
+        let peek = ctx.stats_peek(0).unwrap();
+        assert_eq!((peek.swap_in_calls, peek.resident), (1, 0));
+        assert_eq!(ctx.stats_peek(3).unwrap_err().status, KvswapStatus::OutOfRange, "bad layer");
         let e = ctx.sync().unwrap_err();
         assert!(e.status == KvswapStatus::NotStored && e.message.contains("layer 0"), "layer 0's error was kept: {e}");
         ctx.sync_layer(0, 0).unwrap();

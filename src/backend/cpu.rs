@@ -185,8 +185,10 @@ impl LayerOps for CpuLayer {
         Ok(())
     }
 
-    fn stats(&mut self) -> Result<KvswapLayerStats> {
-        self.sync()?;
+    fn stats(&mut self, take_error: bool) -> Result<KvswapLayerStats> {
+        if take_error {
+            self.sync()?;
+        }
         let mut s = self.stats;
         s.compressed_cap = self.plan.compressed_cap as u64;
         s.chunk_bytes = self.plan.chunk_bytes as u64;

@@ -93,9 +93,10 @@ pub trait LayerOps: Send {
         Ok(())
     }
 
-    /// Counters (synchronises with the device). Returns a deferred error of an
-    /// earlier asynchronous call first, if any.
-    fn stats(&mut self) -> Result<KvswapLayerStats>;
+    /// Counters (synchronises with the device). With `take_error`, returns
+    /// (and clears) a deferred error of an earlier asynchronous call
+    /// instead, if there is one; without, leaves it for a later sync.
+    fn stats(&mut self, take_error: bool) -> Result<KvswapLayerStats>;
 
     /// Returns and clears a deferred error, after waiting for the device.
     fn sync(&mut self) -> Result<()>;

@@ -958,11 +958,13 @@ impl LayerOps for CudaLayer {
         self.take_error(self.sh.internal.0)
     }
 
-    fn stats(&mut self) -> Result<KvswapLayerStats> {
+    fn stats(&mut self, take_error: bool) -> Result<KvswapLayerStats> {
         let _g = self.sh.device.bind()?;
         self.wait()?;
         let s = self.sh.internal.0;
-        self.take_error(s)?;
+        if take_error {
+            self.take_error(s)?;
+        }
         let w = self.read_meta(self.meta.stats, 16, s)?;
         let c = |i: usize| w[2 * i] as u64 | (w[2 * i + 1] as u64) << 32;
         let resident = self.residency_pairs(s)?.len() as u32;
