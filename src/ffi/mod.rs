@@ -496,10 +496,22 @@ pub extern "C" fn kvswap_layer_forget(
 /// `KVSWAP_STATUS_PANIC` (a layer left unusable by an earlier panic).
 #[no_mangle]
 pub extern "C" fn kvswap_layer_stats(ctx: *mut KvswapContext, layer: u32, out: *mut KvswapLayerStats) -> KvswapStatus {
-    boundary("kvswap_layer_stats", || {
+    layer_stats_into("kvswap_layer_stats", ctx, layer, out, Context::stats)
+}
+
+/// The body of both stats functions: `read` (taking a deferred error or
+/// not) into `*out`, written only on success.
+fn layer_stats_into(
+    name: &str,
+    ctx: *mut KvswapContext,
+    layer: u32,
+    out: *mut KvswapLayerStats,
+    read: fn(&Context, usize) -> Result<KvswapLayerStats>,
+) -> KvswapStatus {
+    boundary(name, || {
         let c = ctx_ref(ctx)?;
         check_aligned(out, "out")?;
-        let s = c.stats(layer as usize)?;
+        let s = read(c, layer as usize)?;
         write_out(out, s);
         Ok(())
     })
@@ -519,13 +531,7 @@ pub extern "C" fn kvswap_layer_stats(ctx: *mut KvswapContext, layer: u32, out: *
 /// CUDA `KVSWAP_STATUS_DEVICE_ERROR` (the wait or the read-back failed).
 #[no_mangle]
 pub extern "C" fn kvswap_layer_stats_peek(ctx: *mut KvswapContext, layer: u32, out: *mut KvswapLayerStats) -> KvswapStatus {
-    boundary("kvswap_layer_stats_peek", || {
-        let c = ctx_ref(ctx)?;
-        check_aligned(out, "out")?;
-        let s = c.stats_peek(layer as usize)?;
-        write_out(out, s);
-        Ok(())
-    })
+    layer_stats_into("kvswap_layer_stats_peek", ctx, layer, out, Context::stats_peek)
 }
 
 /// Writes where the staging rows of `layer` are: `*out_ptr` is slot 0 (the
