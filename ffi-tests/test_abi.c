@@ -3136,6 +3136,22 @@ static void test_fm_scoring(const char *ckpt) {
     CHECK(unsetenv("POCKETLLM_GGUF_MEM_PROFILE") == 0);
     group_done("KVSWAP_MEM_PROFILE: a bad value (or the alias's) refused by fm_scorer_load");
 
+    /* KVSWAP_SYNC, read by fm_scorer_load: a bad value is refused on the
+     * CPU too (where it changes nothing), so it cannot pass CPU tests only. */
+    {
+        const char *old_sync = getenv("KVSWAP_SYNC");
+        char *saved = old_sync ? strdup(old_sync) : NULL;
+        CHECK(setenv("KVSWAP_SYNC", "7", 1) == 0);
+        fm_load_refused(ckpt, -1, KVSWAP_STATUS_INVALID_ARGUMENT, "KVSWAP_SYNC");
+        if (saved) {
+            CHECK(setenv("KVSWAP_SYNC", saved, 1) == 0);
+            free(saved);
+        } else {
+            CHECK(unsetenv("KVSWAP_SYNC") == 0);
+        }
+    }
+    group_done("KVSWAP_SYNC: a bad value refused by fm_scorer_load on the CPU too");
+
     /* Random inputs against the reference, every key type, both ensembles. */
     int32_t out[FM_MAX_TOPK], out2[FM_MAX_TOPK];
     float *hidden = random_hidden(hn);

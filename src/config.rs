@@ -334,14 +334,6 @@ impl Config {
         if self.index_topk == 0 {
             return Err(Error::invalid("index_topk must be >= 1 (KVSWAP_INDEX_TOPK)"));
         }
-        if self.index_topk > crate::scorer::FM_MAX_TOPK {
-            // An engine's own selection may take more; the scorers refuse it.
-            log::warn!(
-                "kvswap: index_topk={} (KVSWAP_INDEX_TOPK) is above {}, the most fm_score_topk and fm_bounds_topk select",
-                self.index_topk,
-                crate::scorer::FM_MAX_TOPK
-            );
-        }
         if self.window as u64 > ID_COUNT_MAX {
             return Err(Error::invalid(format!("window={} is too large (KVSWAP_WINDOW)", self.window)));
         }

@@ -26,6 +26,15 @@ impl Context {
         crate::logging::init();
         config.validate()?;
         config.check_topk_guard()?;
+        if config.index_topk > crate::scorer::FM_MAX_TOPK {
+            // An engine's own selection may take more; the scorers refuse it.
+            // Said once per context (validate runs for every config read).
+            log::warn!(
+                "kvswap: index_topk={} (KVSWAP_INDEX_TOPK) is above {}, the most fm_score_topk and fm_bounds_topk select",
+                config.index_topk,
+                crate::scorer::FM_MAX_TOPK
+            );
+        }
         if specs.is_empty() {
             return Err(Error::invalid("n_layers is 0: a context needs at least one layer"));
         }

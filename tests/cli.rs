@@ -1,6 +1,7 @@
 //! Runs the built `kvswap` binary the way a newcomer does and checks what it
 //! prints, its exit codes and the files it writes.
 
+use std::os::unix::fs::FileTypeExt;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -239,6 +240,24 @@ fn plan_and_fm_refuse_devices_and_overflowing_figures() {
     let (code, _, err) = kvswap(&["fm", "info", "/dev/zero"]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("not a regular file"), "{err}");
+    // fm init writes beside --out and renames over it: a FIFO (as a device
+    // would be) or a symbolic link there is refused, not replaced.
+    let dir = scratch("fm-init-link");
+    let fifo = dir.join("fifo");
+    let _ = std::fs::remove_file(&fifo);
+    assert!(Command::new("mkfifo").arg(&fifo).status().expect("mkfifo").success());
+    let (code, _, err) = kvswap(&["fm", "init", "--hidden", "8", "--heads", "2", "--head-dim", "4", "--scorers", "1", "--out", fifo.to_str().unwrap()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("fifo") && err.contains("not a regular file"), "{err}");
+    assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo(), "the FIFO is still there");
+    let (target, link) = (dir.join("target.st"), dir.join("link.st"));
+    std::fs::write(&target, b"keep").unwrap();
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let (code, _, err) = kvswap(&["fm", "init", "--hidden", "8", "--heads", "2", "--head-dim", "4", "--scorers", "1", "--out", link.to_str().unwrap()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("symbolic link"), "{err}");
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink() && std::fs::read(&target).unwrap() == b"keep");
     let (code, _, err) = kvswap(&["plan", "--indexer-bytes-per-token", "18446744073709551615"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--indexer-bytes-per-token"), "{err}");
@@ -256,4 +275,16 @@ fn plan_notes_a_pinned_tier_above_the_machines_memory() {
     let (code, _, err) = kvswap(&["plan", "--context", "8K"]);
     assert_eq!(code, 0, "{err}");
     assert!(!err.contains("machine's memory"), "{err}");
+}
+
+/// bench's GPU benchmarks: two at once, or one GPU for all GPUs, are usage
+/// errors (they were silently ignored), on every build.
+#[test]
+fn bench_refuses_conflicting_gpu_flags() {
+    let (code, _, err) = kvswap(&["bench", "--scorer", "--multi-gpu", "--quick"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--scorer and --multi-gpu"), "{err}");
+    let (code, _, err) = kvswap(&["bench", "--multi-gpu", "--device", "1", "--quick"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--multi-gpu measures every GPU"), "{err}");
 }

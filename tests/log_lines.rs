@@ -16,7 +16,7 @@ static TURN: Mutex<()> = Mutex::new(());
 unsafe extern "C" fn record(_level: u32, line: *const c_char, _user_data: *mut c_void) {
     // SAFETY: kvswap passes a NUL-terminated line valid for the call.
     let line = unsafe { CStr::from_ptr(line) }.to_string_lossy().into_owned();
-    if line.starts_with("log-defer-test:") || line.starts_with("kvswap_mem ") {
+    if line.starts_with("log-defer-test:") || line.starts_with("kvswap_mem ") || line.contains("(KVSWAP_INDEX_TOPK) is above") {
         LINES.lock().unwrap().push(line);
     }
 }
@@ -88,4 +88,29 @@ fn memory_profile_lines_at_each_stage() {
     // bf16: 2 scorers x 4 heads x (16 + 1) rows x 64 x 2 bytes.
     let mib = (2 * 4 * 17 * 64 * 2) as f64 / (1 << 20) as f64;
     assert!(lines[2].contains(&format!("weights_mib={mib:.2}")) && lines[2].contains("device=-1"), "{}", lines[2]);
+}
+
+/// A top-k above what the scorers select is said once per context, not
+/// once per reading of the config (kvswap_config_from_env and
+/// kvswap_create each validate it).
+#[test]
+fn an_index_topk_above_the_scorers_limit_is_logged_once() {
+    use kvswap::ffi::{kvswap_config_default, kvswap_create, kvswap_destroy};
+    use kvswap::{KvswapConfig, KvswapLayerSpec};
+    let _turn = start();
+    let mut cfg = std::mem::MaybeUninit::<KvswapConfig>::uninit();
+    assert_eq!(kvswap_config_default(cfg.as_mut_ptr()), KvswapStatus::Ok);
+    // SAFETY: written by kvswap_config_default on success.
+    let mut cfg = unsafe { cfg.assume_init() };
+    cfg.backend = kvswap::config::KVSWAP_BACKEND_CPU;
+    cfg.enable = 1;
+    cfg.gpu_chunks = 4096;
+    cfg.index_topk = 4096;
+    let spec = KvswapLayerSpec { compressed_cap: 8192, chunk_bytes: 16, staging: std::ptr::null_mut(), staging_stride: 0 };
+    let mut ctx = std::ptr::null_mut();
+    assert_eq!(kvswap_create(&cfg, &spec, 1, &mut ctx), KvswapStatus::Ok);
+    kvswap_destroy(ctx);
+    let lines = seen();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].contains("index_topk=4096"), "{lines:?}");
 }

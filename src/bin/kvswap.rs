@@ -242,6 +242,19 @@ fn cmd_bench(a: BenchArgs) -> Result<(), Failure> {
     if backend == BackendChoice::Cpu && a.device != 0 {
         return Err(Failure::Usage(format!("--device {} picks a CUDA device: it does not apply to --backend cpu", a.device)));
     }
+    if a.scorer && a.multi_gpu {
+        return Err(Failure::Usage("--scorer and --multi-gpu are two benchmarks: give one".into()));
+    }
+    if a.multi_gpu && a.device != 0 {
+        return Err(Failure::Usage(format!("--device {} picks one GPU: --multi-gpu measures every GPU", a.device)));
+    }
+    #[cfg(not(feature = "cuda"))]
+    if a.scorer || a.multi_gpu {
+        return Err(Failure::Runtime(format!(
+            "{} measures the CUDA backend, which this build does not have (feature `cuda` off)",
+            if a.scorer { "--scorer" } else { "--multi-gpu" }
+        )));
+    }
     #[cfg(feature = "cuda")]
     if a.scorer {
         if backend == BackendChoice::Cpu {
@@ -757,9 +770,10 @@ fn cmd_fm_init(a: FmInitArgs) -> Result<(), Failure> {
     write::save(&a.out, &meta, &tensors)?;
     let weight_bytes: u64 = tensors.iter().map(|t| t.data.len() as u64).sum();
     emit(&format!(
-        "wrote {}: {} scorers, hidden {}, {} heads x {} dims, {} weights ({}), ensemble {}, seed {}\n",
+        "wrote {}: {} scorer{}, hidden {}, {} heads x {} dims, {} weights, {}, ensemble {}, seed {}\n",
         a.out.display(),
         meta.n_scorers,
+        if meta.n_scorers == 1 { "" } else { "s" },
         meta.hidden,
         meta.n_heads,
         meta.head_dim,

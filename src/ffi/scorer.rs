@@ -142,8 +142,9 @@ fn path_arg(path: *const c_char) -> Result<PathBuf> {
 /// was expected and what was found; `KVSWAP_STATUS_NULL_POINTER` for a NULL
 /// `path` or `out`; `KVSWAP_STATUS_INVALID_ARGUMENT` for an empty path,
 /// `device < -1`, a misaligned `out`, a bad `KVSWAP_FM_QUERY`,
-/// `KVSWAP_FM_ENSEMBLE` or `KVSWAP_MEM_PROFILE` (or their aliases), or
-/// (CUDA) a bad `KVSWAP_SYNC`;
+/// `KVSWAP_FM_ENSEMBLE`, `KVSWAP_MEM_PROFILE` or `KVSWAP_SYNC` (or their
+/// aliases; `KVSWAP_SYNC` is checked on the CPU too, where it changes
+/// nothing);
 /// `KVSWAP_STATUS_NO_DEVICE` for `device >= 0` without that CUDA device,
 /// driver or NVRTC (libnvrtc.so.13) (or in a build without CUDA);
 /// `KVSWAP_STATUS_UNSUPPORTED` for a

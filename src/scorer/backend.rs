@@ -174,6 +174,12 @@ pub trait BoundsBackend: Send + Sync {
 pub fn open_scorer(ckpt: Arc<Checkpoint>, device: i32, sync: Option<bool>) -> Result<Box<dyn ScorerBackend>> {
     super::args::check_device(device)?;
     if device == -1 {
+        // The CPU reports every error at once, but a bad KVSWAP_SYNC is
+        // refused here too, as on CUDA: it would pass CPU tests and fail
+        // on a GPU machine only.
+        if sync.is_none() {
+            crate::config::Config::sync_from_env()?;
+        }
         return Ok(Box::new(CpuScorer::new(ckpt)));
     }
     cuda_scorer(ckpt, device, sync)

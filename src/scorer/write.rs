@@ -174,6 +174,21 @@ fn sorted_header(header: &[u8]) -> Result<Vec<u8>> {
 /// another user can read it.
 pub fn save(path: &Path, meta: &Meta, tensors: &[NewTensor]) -> Result<()> {
     let name = path.file_name().ok_or_else(|| Error::invalid(format!("checkpoint path {} names no file", path.display())))?;
+    // The file is written beside the path and renamed over it: a device,
+    // FIFO, directory or symbolic link there would be replaced, not
+    // written to. A regular file is replaced (an older checkpoint).
+    if let Ok(m) = std::fs::symlink_metadata(path) {
+        if !m.file_type().is_file() {
+            return Err(Error::new(
+                KvswapStatus::Io,
+                format!(
+                    "cannot write checkpoint {}: it exists and is not a regular file (a directory, device, FIFO or \
+                     symbolic link, which the write would replace); give a new path or a regular file's",
+                    path.display()
+                ),
+            ));
+        }
+    }
     let tmp = path.with_file_name(format!(".{}.tmp{}", name.to_string_lossy(), std::process::id()));
     let written = (|| -> Result<()> {
         use std::io::{Read, Seek, SeekFrom, Write};
