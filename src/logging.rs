@@ -199,6 +199,15 @@ pub fn init() {
     INIT.call_once(|| {
         if log::set_logger(&KvswapLogger).is_ok() {
             log::set_max_level(level_from_env());
+            // An unknown value leaves the default: said once, so a typo
+            // does not go unnoticed.
+            if let Ok(v) = std::env::var("KVSWAP_LOG") {
+                if !v.trim().is_empty() && parse_level(&v).is_none() {
+                    log::warn!(
+                        "kvswap: KVSWAP_LOG={v:?} is not a level (off, error, warn, info, debug, trace, or 0-5): info applies"
+                    );
+                }
+            }
         }
     });
 }

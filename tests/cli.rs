@@ -288,3 +288,16 @@ fn bench_refuses_conflicting_gpu_flags() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--multi-gpu measures every GPU"), "{err}");
 }
+
+/// An unknown KVSWAP_LOG value leaves the default level, and says so once.
+#[test]
+fn an_unknown_log_level_is_named() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvswap"))
+        .args(["demo", "--backend", "cpu", "--context", "8K", "--steps", "2"])
+        .env("KVSWAP_LOG", "bogus")
+        .output()
+        .expect("run kvswap");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(err.matches("KVSWAP_LOG=\"bogus\" is not a level").count(), 1, "{err}");
+}
