@@ -26,7 +26,10 @@ use std::process::ExitCode;
     version,
     about = "Plan and try kvswap: host-tier KV chunks with a fixed set of GPU staging slots",
     after_help = "Start with `kvswap plan --context 1M` (the reference engine of DESIGN.md), \
-                  then `kvswap demo` and `kvswap demo --sweep`."
+                  then `kvswap demo` and `kvswap demo --sweep`.\n\
+                  The commands take their settings from their flags, not from the library's \
+                  KVSWAP_* settings such as KVSWAP_BACKEND or KVSWAP_GPU_CHUNKS (KVSWAP_LOG sets \
+                  their log level)."
 )]
 struct Cli {
     #[command(subcommand)]
