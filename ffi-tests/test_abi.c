@@ -1294,8 +1294,10 @@ static void test_lru_script(void) {
 /* kvswap_layer_forget against the model: random ranges and "every chunk"
  * between stores and swap-ins on both layers; forgotten chunks are refused
  * until stored again; bad arguments change nothing. */
-static void forget_ok_at(int line, Layer *L, uint32_t first, uint32_t n) {
-    CHECK_OK_AT(line, kvswap_layer_forget(L->ctx, L->layer, (int32_t)first, n, cur_stream()));
+/* `n` as passed to the call: KVSWAP_FORGET_TO_END means every chunk from `first` on. */
+static void forget_ok_at(int line, Layer *L, uint32_t first, uint32_t n_arg) {
+    CHECK_OK_AT(line, kvswap_layer_forget(L->ctx, L->layer, (int32_t)first, n_arg, cur_stream()));
+    uint32_t n = n_arg == KVSWAP_FORGET_TO_END ? L->cap - first : n_arg;
     model_forget(&L->model, first, n);
     for (uint32_t id = first; id < first + n; id++) L->version[id] = 0;
     check_stats_at(line, L);
@@ -1362,25 +1364,14 @@ static void test_forget(void) {
         uint32_t r = rnd(20);
         if (r == 0) {
             /* every chunk: by count, or to the end */
-            if (rnd(2)) forget_ok(X, 0, X->cap);
-            else {
-                CHECK_OK(kvswap_layer_forget(X->ctx, X->layer, 0, KVSWAP_FORGET_TO_END, cur_stream()));
-                model_forget(&X->model, 0, X->cap);
-                for (uint32_t id = 0; id < X->cap; id++) X->version[id] = 0;
-                check_stats(X);
-            }
+            forget_ok(X, 0, rnd(2) ? X->cap : KVSWAP_FORGET_TO_END);
             for (uint32_t id = 0; id < X->cap; id += 1 + rnd(3)) store_one(X, id);
         } else if (r <= 2) {
             uint32_t first = rnd(X->cap);
             forget_ok(X, first, rnd(X->cap - first + 1));
         } else if (r == 3) {
             /* a tail, to the end */
-            uint32_t first = rnd(X->cap + 1);
-            CHECK_OK(kvswap_layer_forget(X->ctx, X->layer, (int32_t)first, KVSWAP_FORGET_TO_END, cur_stream()));
-            model_forget(&X->model, first, X->cap - first);
-            for (uint32_t id = first; id < X->cap; id++) X->version[id] = 0;
-            check_stats(X);
-            check_staged(X);
+            forget_ok(X, rnd(X->cap + 1), KVSWAP_FORGET_TO_END);
         } else if (r <= 6) {
             store_one(X, rnd(X->cap));
         }

@@ -630,21 +630,12 @@ mod tests {
             fm_ckpt: Some("/x/y.safetensors".into()),
         };
         let d = Config::default();
-        assert!(
-            c.enable != d.enable
-                && c.gpu_chunks != d.gpu_chunks
-                && c.pinned_mib != d.pinned_mib
-                && c.sync != d.sync
-                && c.validate != d.validate
-                && c.test_allow_topk_reduction != d.test_allow_topk_reduction
-                && c.index_topk != d.index_topk
-                && c.window != d.window
-                && c.fm_ensemble != d.fm_ensemble
-                && c.mem_profile != d.mem_profile
-                && c.backend != d.backend
-                && c.device != d.device
-                && c.fm_ckpt != d.fm_ckpt
-        );
+        // Every field differs from the default, so the round trip below
+        // shows each one carried.
+        macro_rules! all_differ {
+            ($($f:ident),*) => { $( assert!(c.$f != d.$f, concat!(stringify!($f), " must differ from the default")); )* };
+        }
+        all_differ!(enable, gpu_chunks, pinned_mib, sync, validate, test_allow_topk_reduction, index_topk, window, fm_ensemble, mem_profile, backend, device, fm_ckpt);
         let cc = c.to_c();
         assert_eq!(Config::from_c(&cc).unwrap(), c);
         for b in [BackendChoice::Auto, BackendChoice::Cpu] {

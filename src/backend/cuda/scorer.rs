@@ -397,6 +397,24 @@ impl Workspaces {
         Ok(ws.as_ref().unwrap())
     }
 
+    /// `ensure` on `stream` (checked, of `device`) outside any call:
+    /// `fm_scorer_reserve` and `fm_bounds_reserve`. Refused while the
+    /// stream is captured (nothing can be allocated inside a capture).
+    fn reserve(&self, device: &Device, stream: StreamHandle, seqs: usize, chunks: usize, q_elems: usize, w_elems: usize) -> Result<()> {
+        let _g = device.bind()?;
+        let s = check_stream(device, stream)?;
+        if driver::is_capturing(s)? {
+            return Err(Error::invalid(
+                "the stream is being captured: its scorer workspace cannot be allocated inside a capture; reserve before capturing",
+            ));
+        }
+        // As in CudaScorer::run: lines logged under the lock wait for it.
+        let _quiet = crate::logging::defer();
+        let slot = self.slot(s);
+        let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
+        self.ensure(&mut held, s, false, seqs, chunks, q_elems, w_elems).map(|_| ())
+    }
+
     /// Waits for `stream` (checked, of `device`, not being captured: the
     /// wait would end the capture) and returns (clearing it) the first error
     /// its calls recorded: in its workspace, or in one it outgrew (a graph
@@ -1122,21 +1140,10 @@ impl ScorerBackend for CudaScorer {
     }
 
     fn reserve(&self, seqs: usize, chunks: usize, stream: StreamHandle) -> Result<()> {
-        let dev = self.device();
-        let _g = dev.bind()?;
-        let s = check_stream(dev, stream)?;
-        if driver::is_capturing(s)? {
-            return Err(Error::invalid(
-                "the stream is being captured: its scorer workspace cannot be allocated inside a capture; reserve before capturing",
-            ));
-        }
         // A call's largest launch group: up to MAX_BATCH sequences, each
         // run of chunks starting at a multiple of 32 (as `run` sizes it).
         let group = seqs.min(MAX_BATCH);
-        let _quiet = crate::logging::defer();
-        let slot = self.workspaces.slot(s);
-        let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
-        self.workspaces.ensure(&mut held, s, false, group, group * chunks.next_multiple_of(32), self.q_elems(), self.w_elems()).map(|_| ())
+        self.workspaces.reserve(self.device(), stream, group, group * chunks.next_multiple_of(32), self.q_elems(), self.w_elems())
     }
 }
 
@@ -1230,19 +1237,7 @@ impl BoundsBackend for CudaBoundsHandle {
         BackendKind::Cuda
     }
     fn reserve(&self, chunks: usize, stream: StreamHandle) -> Result<()> {
-        let me = &*self.0;
-        let dev = &me.launch.device;
-        let _g = dev.bind()?;
-        let s = check_stream(dev, stream)?;
-        if driver::is_capturing(s)? {
-            return Err(Error::invalid(
-                "the stream is being captured: its bounds workspace cannot be allocated inside a capture; reserve before capturing",
-            ));
-        }
-        let _quiet = crate::logging::defer();
-        let slot = me.workspaces.slot(s);
-        let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
-        me.workspaces.ensure(&mut held, s, false, 1, chunks, 0, 0).map(|_| ())
+        self.0.workspaces.reserve(&self.0.launch.device, stream, 1, chunks, 0, 0)
     }
     unsafe fn bounds_topk(&self, b: &BoundsRef, k: usize, stream: StreamHandle) -> Result<()> {
         let (me, sync) = (&*self.0, self.1);
