@@ -295,8 +295,16 @@ pub fn parse_tokens(what: &str, s: &str) -> Result<u64, PlanError> {
 /// Parses `--layers 20x4,21x128`: comma-separated `COUNTxRATIO` classes.
 pub fn parse_layers(s: &str) -> Result<Vec<LayerClass>, PlanError> {
     let bad = |reason: &str| PlanError::new("--layers", s, reason);
+    if s.trim().is_empty() {
+        return Err(bad("no layer class given (expected e.g. 20x4,21x128)"));
+    }
     let mut out = Vec::new();
-    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+    for part in s.split(',').map(str::trim) {
+        if part.is_empty() {
+            // "20x4,", ",21x128", "20x4,,21x128": a stray comma, not a class
+            // silently dropped.
+            return Err(bad("an empty layer class (a stray comma?): expected COUNTxRATIO between commas, e.g. 20x4,21x128"));
+        }
         let (count, ratio) = part
             .split_once(['x', 'X', '*'])
             .ok_or_else(|| bad(&format!("{part:?} is not COUNTxRATIO (expected e.g. 20x4,21x128)")))?;
@@ -311,9 +319,6 @@ pub fn parse_layers(s: &str) -> Result<Vec<LayerClass>, PlanError> {
             return Err(bad(&format!("ratio is 0 in {part:?}: a ratio must be >= 1")));
         }
         out.push(class);
-    }
-    if out.is_empty() {
-        return Err(bad("no layer class given (expected e.g. 20x4,21x128)"));
     }
     Ok(out)
 }
@@ -852,12 +857,14 @@ mod tests {
     fn parses_layer_classes() {
         let l = parse_layers("20x4, 21x128").unwrap();
         assert_eq!(l, vec![LayerClass { count: 20, ratio: 4 }, LayerClass { count: 21, ratio: 128 }]);
-        for bad in ["", "20", "20x", "x4", "20x0", "0x4", "20x4,abc", "20y4"] {
+        for bad in ["", " ", "20", "20x", "x4", "20x0", "0x4", "20x4,abc", "20y4", "20x4,", ",20x4", "20x4,,21x128", "20x4, ,21x128"] {
             let e = parse_layers(bad).unwrap_err();
             assert_eq!(e.what, "--layers", "{bad}");
             assert_eq!(e.value, bad);
         }
         assert!(parse_layers("20x0").unwrap_err().reason.contains("ratio"));
+        assert!(parse_layers("20x4,").unwrap_err().reason.contains("stray comma"));
+        assert!(parse_layers("").unwrap_err().reason.contains("no layer class"));
     }
 
     #[test]

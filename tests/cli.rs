@@ -178,6 +178,8 @@ fn demo_sweep_writes_table_svg_and_json() {
     let results = v["results"].as_array().expect("results");
     assert_eq!(results.len(), 2);
     assert_eq!(results[1]["gpu_chunks"], 1024);
+    assert_eq!(v["params"]["sweep_chunks"], serde_json::json!([512, 1024]), "the swept list, not one run's value");
+    assert!(v["params"].get("gpu_chunks").is_none(), "no single gpu_chunks for a sweep: {}", v["params"]);
     let (h0, h1) = (results[0]["hit_rate"].as_f64().unwrap(), results[1]["hit_rate"].as_f64().unwrap());
     assert!(h1 >= h0, "more slots never hit less on the same sequence: {h0} {h1}");
     let _ = std::fs::remove_dir_all(dir);

@@ -181,7 +181,7 @@ struct DemoArgs {
     /// Where the sweep writes its plot [default: kvswap-sweep.svg].
     #[arg(long, value_name = "PATH")]
     svg: Option<PathBuf>,
-    /// Also write the results as JSON to PATH.
+    /// Also write the results as JSON to PATH (a sweep: `params` with the swept `sweep_chunks`, one result per run).
     #[arg(long, value_name = "PATH")]
     json: Option<PathBuf>,
     /// Show the library's info log lines (KVSWAP_LOG, when set, wins).
@@ -634,9 +634,17 @@ fn cmd_sweep(a: &DemoArgs, p: &DemoParams, chunks: &[u32]) -> Result<(), Failure
     emit(&format!("\nwrote {}\n", svg_path.display()))?;
     if let Some(path) = &a.json {
         let no_swap = reports.first().map_or(0, |r| r.gpu_bytes_no_swap);
+        // The runs' shared settings: gpu_chunks differs per run (each
+        // result has its own), so the params give the swept list instead of
+        // the largest run's value.
+        let mut params = serde_json::to_value(p).map_err(|e| Failure::Runtime(format!("JSON: {e}")))?;
+        if let Some(obj) = params.as_object_mut() {
+            obj.remove("gpu_chunks");
+            obj.insert("sweep_chunks".into(), serde_json::json!(chunks));
+        }
         write_file(
             path,
-            &to_json(&serde_json::json!({ "params": p, "gpu_bytes_no_swap": no_swap, "results": reports }))?,
+            &to_json(&serde_json::json!({ "params": params, "gpu_bytes_no_swap": no_swap, "results": reports }))?,
         )?;
         emit(&format!("wrote {}\n", path.display()))?;
     }
