@@ -190,13 +190,18 @@ typedef struct KvswapLayerSpec {
 // stream created at the same address is taken for the same stream.
 //
 // Calls that wait for the device (`KVSWAP_SYNC=1` calls, `kvswap_sync`,
-// `kvswap_layer_stats`, `fm_scorer_sync`, `fm_bounds_sync`) or allocate or
-// free device memory (`kvswap_create`, `kvswap_destroy`, `fm_scorer_load`,
-// `fm_scorer_free`, a scorer's or the bounds scorer's first call on a
-// stream or on a device, a call that grows a stream's workspace) must not run while another thread
-// captures in `cudaStreamCaptureModeGlobal`: CUDA invalidates that
-// capture. Capture in thread-local or relaxed mode, or make such calls
-// before or after it.
+// `kvswap_layer_sync`, `kvswap_layer_stats`, `kvswap_layer_stats_peek`,
+// `fm_scorer_sync`, `fm_bounds_sync`) or allocate or free memory
+// (`kvswap_create`, `kvswap_destroy`, `fm_scorer_load`, `fm_scorer_free`,
+// the reservations, a scorer's or the bounds scorer's first call on a
+// stream or on a device, a call that grows a stream's workspace) may run
+// while this or another thread captures another stream in
+// `cudaStreamCaptureModeGlobal` (`torch.cuda.graph`'s default): kvswap
+// makes its own waits, allocations and frees in relaxed capture mode
+// (`cuThreadExchangeStreamCaptureMode`, as PyTorch's allocator does), so
+// they do not invalidate that capture. They only ever wait for kvswap's
+// own work; a wait on the stream being captured is refused instead
+// (`KVSWAP_STATUS_INVALID_ARGUMENT`, see each call).
 typedef void *KvswapStream;
 
 // One layer's swap-in in a `kvswap_swap_in_layers` call: the arguments of
@@ -343,6 +348,9 @@ typedef struct FmSeq {
 // errors after the backend started (memory, limits). The CPU backend reads
 // every pointer as host memory: an engine passing device pointers sets
 // `KVSWAP_BACKEND_CUDA`, or checks `kvswap_context_info` after creating.
+// (Where a CUDA driver is installed, the CPU backend and the CPU scorers
+// refuse device memory the driver identifies, with
+// `KVSWAP_STATUS_INVALID_ARGUMENT`, instead of reading it.)
 #define KVSWAP_BACKEND_AUTO 0
 
 // Host memory plays the device: the reference backend, runs everywhere.
@@ -451,8 +459,9 @@ enum KvswapStatus kvswap_store(struct KvswapContext *ctx,
 // Errors (nothing stored, except as said for a device error):
 // `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`, `ids`
 // or `src`); `KVSWAP_STATUS_INVALID_ARGUMENT` (`n` 0, a misaligned pointer,
-// a stride below `chunk_bytes`, on CUDA the NULL stream or host memory
-// where device memory is expected); `KVSWAP_STATUS_OUT_OF_RANGE` (a bad
+// a stride below `chunk_bytes`, on CUDA the NULL stream or pageable host
+// memory where device memory is expected: pinned, device-mapped host memory
+// is accepted); `KVSWAP_STATUS_OUT_OF_RANGE` (a bad
 // layer or id, `n` above 2^32 - 1, rows running past the end of the
 // address space or, on CUDA, of `src`'s allocation);
 // `KVSWAP_STATUS_OUT_OF_MEMORY` (the batch's id table);
@@ -488,7 +497,7 @@ enum KvswapStatus kvswap_store_batch(struct KvswapContext *ctx,
 // resident slot).
 // Other errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx` or `indices`);
 // `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `indices`, on CUDA the NULL
-// stream or host memory); `KVSWAP_STATUS_OUT_OF_RANGE` (a bad layer, an
+// stream or pageable host memory); `KVSWAP_STATUS_OUT_OF_RANGE` (a bad layer, an
 // id below -1 or at or above `compressed_cap` (with `sync = 0` reported
 // later, as above), `count` above
 // `gpu_chunks` (on a layer without swap: above the larger of `gpu_chunks`
@@ -554,7 +563,8 @@ enum KvswapStatus kvswap_swap_in_selected(struct KvswapContext *ctx,
 // `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`, `requests` or a request's
 // `indices`); `KVSWAP_STATUS_INVALID_ARGUMENT` (`n` 0, a layer named twice,
 // selected entries that overlap another request's or `topk`, a nonzero
-// `reserved`, a misaligned pointer, on CUDA the NULL stream or host memory);
+// `reserved`, a misaligned pointer, on CUDA the NULL stream or pageable
+// host memory);
 // `KVSWAP_STATUS_OUT_OF_RANGE` (as `kvswap_swap_in_selected`, per request;
 // on CUDA `topk` past the end of its allocation);
 // `KVSWAP_STATUS_WRONG_DEVICE`; `KVSWAP_STATUS_DEVICE_ERROR`;
@@ -846,10 +856,9 @@ enum KvswapStatus fm_scorer_set_sync(struct FmScorer *scorer, uint32_t sync);
 // stream into a CUDA graph, instead of a warm-up call with real inputs. A
 // later call with more chunks or sequences grows the workspace again
 // (and waits). This call waits for the stream when it allocates (a
-// workspace already as large changes nothing and waits for nothing); do
-// not make it while another thread captures in
-// `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then, and that
-// capture is invalidated). On the CPU backend there is no workspace: the
+// workspace already as large changes nothing and waits for nothing); it
+// may run while another stream is captured in any mode (see
+// `KvswapStream`). On the CPU backend there is no workspace: the
 // arguments are checked and `stream` is ignored.
 // Errors (no workspace allocated): `KVSWAP_STATUS_NULL_POINTER` (NULL
 // `scorer`); `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `scorer`,
@@ -860,7 +869,7 @@ enum KvswapStatus fm_scorer_set_sync(struct FmScorer *scorer, uint32_t sync);
 // `KVSWAP_STATUS_OUT_OF_MEMORY` (the workspace: about 12 bytes per chunk
 // of up to 64 sequences, plus about 33 KB and the projections per
 // sequence); `KVSWAP_STATUS_DEVICE_ERROR` (an allocation, clear or wait
-// the driver refuses, as during another thread's global-mode capture).
+// the driver refuses).
 enum KvswapStatus fm_scorer_reserve(const struct FmScorer *scorer,
                                     size_t n_seqs,
                                     size_t n_chunks,
@@ -900,15 +909,15 @@ enum KvswapStatus fm_scorer_reserve(const struct FmScorer *scorer,
 // `count = k`, that call then turns the selected logical ids into physical
 // ids (the -1 padding stays -1).
 //
-// On the CPU backend every pointer is a host pointer and `stream` is
+// On the CPU backend every pointer is a host pointer (device memory is
+// refused where a CUDA driver identifies it) and `stream` is
 // ignored; on CUDA `hidden`, `keys->data`, `keys->scales` and
 // `out_indices` are device pointers (`keys` itself is host memory) and the
 // work is ordered on `stream`. The first call on a stream, and a call with more chunks than
 // any before on it, allocates the stream's workspace: make that call, or
 // `fm_scorer_reserve` for the shapes you will capture, before capturing
-// the stream, and not while another thread captures in
-// `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then). Such a
-// call also waits for the stream, with either
+// the stream (another stream's capture, in any mode, does not mind it:
+// see `KvswapStream`). Such a call also waits for the stream, with either
 // `KVSWAP_SYNC` (the new workspace is cleared and an old one's pending
 // error moved over before the old one is freed). A workspace (about 12 bytes per chunk, plus the projections of
 // up to 64 sequences) stays until the scorer is freed, one per stream (and
@@ -930,8 +939,8 @@ enum KvswapStatus fm_scorer_reserve(const struct FmScorer *scorer,
 //   the scales of fp8 keys or `out_indices` NULL;
 // - `KVSWAP_STATUS_INVALID_ARGUMENT`: a zero size (above), a misaligned
 //   pointer, an unknown key dtype or a bad `row_stride_bytes`, a NaN/Inf
-//   value (above); on CUDA also host memory where device memory is
-//   expected, the NULL (legacy) stream, sync 1 on a stream being
+//   value (above); on CUDA also pageable host memory where device memory
+//   is expected, the NULL (legacy) stream, sync 1 on a stream being
 //   captured, a workspace that would have to grow during a capture, and a
 //   score that overflows f32 (the CPU's f64 reference does not);
 // - `KVSWAP_STATUS_OUT_OF_RANGE`: a size above its limit (above); on CUDA a
@@ -1066,8 +1075,7 @@ enum KvswapStatus fm_bounds_sync(int32_t device, KvswapStream stream);
 // `fm_scorer_reserve` for the bounds scorer of `device`: allocates
 // `stream`'s workspace for every `fm_bounds_topk` call of up to `n_chunks`
 // chunks there, so those calls need no allocation (call it before
-// capturing the stream; not during another thread's global-mode
-// capture). The first call on a device also compiles the kernels (kept
+// capturing the stream). The first call on a device also compiles the kernels (kept
 // for the process, also when the call then fails). The sync setting plays
 // no part. On the CPU (`device` -1) the arguments are checked and nothing
 // else happens.

@@ -21,6 +21,9 @@ pub type KvswapBackendKind = u32;
 /// errors after the backend started (memory, limits). The CPU backend reads
 /// every pointer as host memory: an engine passing device pointers sets
 /// `KVSWAP_BACKEND_CUDA`, or checks `kvswap_context_info` after creating.
+/// (Where a CUDA driver is installed, the CPU backend and the CPU scorers
+/// refuse device memory the driver identifies, with
+/// `KVSWAP_STATUS_INVALID_ARGUMENT`, instead of reading it.)
 pub const KVSWAP_BACKEND_AUTO: KvswapBackendKind = 0;
 /// Host memory plays the device: the reference backend, runs everywhere.
 pub const KVSWAP_BACKEND_CPU: KvswapBackendKind = 1;

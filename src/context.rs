@@ -46,6 +46,13 @@ impl Context {
         let required = total_host_bytes(&plans);
         check_pinned_cap(required, config.pinned_mib)?;
         let backend = backend::select(&config)?;
+        if backend.kind() == BackendKind::Cpu {
+            for p in &plans {
+                if let Some((ptr, _)) = p.staging {
+                    backend::refuse_device_memory(ptr, &format!("layer {} staging", p.index))?;
+                }
+            }
+        }
         let layers = backend.create_layers(&plans, &config)?;
         let ctx = Context {
             layers: layers.into_iter().map(Mutex::new).collect(),
@@ -208,6 +215,7 @@ impl Context {
             )));
         }
         let checked = self.checked_ids(layer, ids)?;
+        self.refuse_device_memory(src, "src")?;
         // SAFETY: forwarded caller contract.
         unsafe { self.layer(layer)?.store(&checked, src, stride, stream) }
     }
@@ -233,8 +241,18 @@ impl Context {
     /// backend's memory space that nothing else touches during the call.
     pub unsafe fn swap_in_raw(&self, layer: usize, indices: u64, window_len: u32, count: u32, stream: StreamHandle) -> Result<()> {
         self.check_swap_in_args(layer, indices, window_len, count)?;
+        self.refuse_device_memory(indices, "indices")?;
         // SAFETY: forwarded caller contract.
         unsafe { self.layer(layer)?.swap_in(indices, window_len, count, 0, stream) }
+    }
+
+    /// On the CPU backend, device memory where it reads host memory
+    /// ([`backend::refuse_device_memory`]); nothing on CUDA (its own checks).
+    fn refuse_device_memory(&self, ptr: u64, what: &str) -> Result<()> {
+        if self.backend.kind() == BackendKind::Cpu {
+            backend::refuse_device_memory(ptr, what)?;
+        }
+        Ok(())
     }
 
     /// The number of requests of a `kvswap_swap_in_layers` call: at least
@@ -295,6 +313,7 @@ impl Context {
             if r.reserved != 0 {
                 return Err(at(i, r, Error::invalid(format!("reserved is {}: it must be 0", r.reserved))));
             }
+            self.refuse_device_memory(indices, "indices").map_err(|e| at(i, r, e))?;
             let start = indices + 4 * r.window_len as u64; // in the address space: check_swap_in_args
             if r.count > 0 {
                 spans.push((start, start + 4 * r.count as u64, Some(i)));
@@ -314,6 +333,7 @@ impl Context {
             if !topk.is_multiple_of(4) {
                 return Err(Error::invalid(format!("topk ({topk:#x}) is not aligned to 4 bytes")));
             }
+            self.refuse_device_memory(topk, "topk")?;
             let end = topk.checked_add(4 * max_count as u64).ok_or_else(|| Error::out_of_range("topk + count runs past the end of the address space"))?;
             if max_count > 0 {
                 spans.push((topk, end, None));

@@ -792,6 +792,200 @@ fn eager_and_captured_calls_on_two_streams_are_ordered() {
     assert_eq!(cpu.stats(0).unwrap(), gpu.stats(0).unwrap(), "stats");
 }
 
+/// kvswap's waiting calls made while another stream is captured in global
+/// mode (an engine's `torch.cuda.graph`, say), by the capturing thread and
+/// by another thread: stats (taking and peeking), the layer, stream and
+/// context syncs, and a `KVSWAP_SYNC=1` context created, used on another
+/// stream (waits) and destroyed (allocations, the pinned tier, a module
+/// load, frees). None invalidates the capture (they run in relaxed capture
+/// mode; before, the first one failed with CUDA_ERROR_STREAM_CAPTURE_
+/// UNSUPPORTED and the engine's capture was lost), and the replay stages
+/// what the CPU backend stages.
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn waiting_calls_leave_a_global_capture_intact() {
+    let mut rng = Rng::fresh("gpu waits beside a capture");
+    let (cap, chunk, slots, window) = (300u32, 256usize, 32u32, 2u32);
+    let specs = [spec(cap, chunk as u32), spec(cap, chunk as u32)];
+    let (cpu, gpu) = twins(&mut rng, &specs, slots, false, |_| cap);
+    let (dev, _g, [a, b]) = gpu0();
+    let mut sel: Vec<i32> = (0..window as i32).map(|i| -5 - i).collect();
+    let hot = rng.below(cap as u64) as u32;
+    sel.extend(selection(&mut rng, cap, slots as usize, hot));
+    let n_idx = sel.len();
+    let idx = DeviceBuffer::alloc(4 * n_idx, "idx").unwrap();
+    unsafe { driver::copy_htod_async(idx.ptr, sel.as_ptr() as *const u8, 4 * n_idx, a.0).unwrap() };
+    a.sync().unwrap();
+    // Every waiting call kvswap has, on layer 1 and stream b (never a).
+    let waiting_calls = |who: &str| -> kvswap::Result<()> {
+        let _g = dev.bind()?;
+        gpu.stats(1)?;
+        gpu.stats_peek(1)?;
+        gpu.sync_layer(1, b.0 as u64)?;
+        gpu.sync_stream(b.0 as u64)?;
+        gpu.sync()?;
+        let strict = Context::new(config(BackendChoice::Cuda, 8, true), &[spec(16, 64)])?;
+        let row = DeviceBuffer::alloc(64, "row")?;
+        unsafe { driver::memset_d8_async(row.ptr, 0x5a, 64, b.0)? };
+        unsafe { strict.store_raw(0, &[3], row.ptr, 0, b.0 as u64)? };
+        let ids = DeviceBuffer::alloc(8, "ids")?;
+        let mut host = [3i32, -1];
+        unsafe { driver::copy_htod_async(ids.ptr, host.as_ptr() as *const u8, 8, b.0)? };
+        unsafe { strict.swap_in_raw(0, ids.ptr, 0, 2, b.0 as u64)? };
+        unsafe { driver::copy_dtoh_async(host.as_mut_ptr() as *mut u8, ids.ptr, 8, b.0)? };
+        b.sync()?;
+        assert_eq!(host, [0, -1], "{who}: the strict context's swap-in");
+        assert_eq!(strict.slot_bytes(0, 0)?, vec![0x5a; 64], "{who}: its staged row");
+        drop(strict);
+        Ok(())
+    };
+    let graph = Graph::capture_allowing_waits(a.0, || {
+        unsafe { gpu.swap_in_raw(0, idx.ptr, window, slots, a.0 as u64)? };
+        waiting_calls("capturing thread")?;
+        std::thread::scope(|sc| sc.spawn(|| waiting_calls("other thread")).join().unwrap())
+    })
+    .expect("the capture outlives the waiting calls beside it");
+    graph.launch(a.0).unwrap();
+    a.sync().unwrap();
+    let mut got = vec![0i32; n_idx];
+    unsafe { driver::copy_dtoh_async(got.as_mut_ptr() as *mut u8, idx.ptr, 4 * n_idx, a.0).unwrap() };
+    a.sync().unwrap();
+    let mut expect = sel.clone();
+    cpu.swap_in(0, &mut expect, window).unwrap();
+    assert_eq!(got, expect, "the replay's physical ids");
+    for &p in expect[window as usize..].iter().filter(|&&p| p >= 0) {
+        let slot = (p - window as i32) as u32;
+        assert_eq!(cpu.slot_bytes(0, slot).unwrap(), gpu.slot_bytes(0, slot).unwrap(), "slot {slot}");
+    }
+    gpu.sync().unwrap();
+    assert_eq!(cpu.stats(0).unwrap(), gpu.stats(0).unwrap(), "stats");
+    // Graph::capture itself refuses a body that waits on the host.
+    let e = Graph::capture(b.0, || gpu.stats_peek(1).map(|_| ())).err().expect("a wait inside Graph::capture is an error");
+    assert!(e.message.contains("host wait"), "{e}");
+}
+
+/// Memory of a virtual-memory allocator (PyTorch's `expandable_segments`,
+/// ggml's VMM pool): physical allocations mapped side by side into one
+/// reserved range, for which the driver reports each piece as its own
+/// allocation. An engine staging buffer and an index buffer across the seam
+/// are accepted and staged as the CPU backend stages; buffers running into
+/// the reserved but unmapped rest are refused (`KVSWAP_STATUS_OUT_OF_RANGE`).
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn buffers_across_mapped_pieces_are_accepted() {
+    use cudarc::driver::sys;
+    let mut rng = Rng::fresh("gpu vmm pieces");
+    let (cap, chunk, slots, window) = (64u32, 4096usize, 16u32, 2u32);
+    let (_dev, _g, [s]) = gpu0();
+    let ok = |r: sys::CUresult, what: &str| assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{what}");
+    // SAFETY (test): plain C structs, every field set or zero.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 0;
+    let mut gran = 0usize;
+    let min = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+    ok(unsafe { sys::cuMemGetAllocationGranularity(&mut gran, &prop, min) }, "granularity");
+    assert!(gran >= 64 * 1024, "granularity {gran}");
+    // Three pieces of address space, the first two mapped to two physical
+    // allocations; the third stays unmapped.
+    let mut va = 0u64;
+    ok(unsafe { sys::cuMemAddressReserve(&mut va, 3 * gran, 0, 0, 0) }, "reserve");
+    let mut handles = [0u64; 2];
+    for (i, h) in handles.iter_mut().enumerate() {
+        ok(unsafe { sys::cuMemCreate(h, gran, &prop, 0) }, "create");
+        ok(unsafe { sys::cuMemMap(va + (i * gran) as u64, gran, 0, *h, 0) }, "map");
+    }
+    let mut access: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+    access.location = prop.location;
+    access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    ok(unsafe { sys::cuMemSetAccess(va, 2 * gran, &access, 1) }, "access");
+    let seam = va + gran as u64;
+
+    let staging = seam - (slots as u64 / 2) * chunk as u64; // half the rows on each side
+    let gpu_spec = KvswapLayerSpec { staging: staging as *mut std::ffi::c_void, ..spec(cap, chunk as u32) };
+    let cpu = Context::new(config(BackendChoice::Cpu, slots, true), &[spec(cap, chunk as u32)]).unwrap();
+    let gpu = Context::new(config(BackendChoice::Cuda, slots, true), &[gpu_spec]).unwrap();
+    let ids: Vec<i32> = (0..cap as i32).collect();
+    let mut rows = vec![0u8; cap as usize * chunk];
+    rng.fill(&mut rows);
+    cpu.store_rows(0, &ids, &rows).unwrap();
+    gpu.store_rows(0, &ids, &rows).unwrap();
+    let mut sel: Vec<i32> = (0..window as i32).map(|i| -3 - i).collect();
+    sel.extend(selection(&mut rng, cap, slots as usize, 7));
+    let n_idx = sel.len();
+    let idx = seam - 8; // two entries before the seam, the rest after it
+    unsafe { driver::copy_htod_async(idx, sel.as_ptr() as *const u8, 4 * n_idx, s.0).unwrap() };
+    s.sync().unwrap();
+    unsafe { gpu.swap_in_raw(0, idx, window, slots, s.0 as u64) }.expect("an index buffer across the seam");
+    let mut got = vec![0i32; n_idx];
+    unsafe { driver::copy_dtoh_async(got.as_mut_ptr() as *mut u8, idx, 4 * n_idx, s.0).unwrap() };
+    s.sync().unwrap();
+    let mut expect = sel.clone();
+    cpu.swap_in(0, &mut expect, window).unwrap();
+    assert_eq!(got, expect, "physical ids");
+    for &p in expect[window as usize..].iter().filter(|&&p| p >= 0) {
+        let slot = (p - window as i32) as u32;
+        assert_eq!(cpu.slot_bytes(0, slot).unwrap(), gpu.slot_bytes(0, slot).unwrap(), "slot {slot} (staged across the seam)");
+    }
+    // Into the unmapped third piece: refused, nothing staged or counted.
+    let before = gpu.stats(0).unwrap();
+    let tail = va + 2 * gran as u64 - 8;
+    let e = unsafe { gpu.swap_in_raw(0, tail, window, slots, s.0 as u64) }.unwrap_err();
+    assert_eq!(e.status, kvswap::KvswapStatus::OutOfRange, "{e}");
+    assert!(e.message.contains("runs past the end"), "{e}");
+    assert_eq!(gpu.stats(0).unwrap(), before);
+    let far = KvswapLayerSpec { staging: (va + 2 * gran as u64 - chunk as u64) as *mut std::ffi::c_void, ..spec(cap, chunk as u32) };
+    let e = Context::new(config(BackendChoice::Cuda, slots, true), &[far]).err().expect("staging into unmapped memory");
+    assert_eq!(e.status, kvswap::KvswapStatus::OutOfRange, "{e}");
+    drop(gpu);
+    ok(unsafe { sys::cuMemUnmap(va, 2 * gran) }, "unmap");
+    for h in handles {
+        ok(unsafe { sys::cuMemRelease(h) }, "release");
+    }
+    ok(unsafe { sys::cuMemAddressFree(va, 3 * gran) }, "free");
+}
+
+/// Device memory given to the CPU backend (an engine that created its
+/// context on the CPU by mistake): refused with INVALID_ARGUMENT, nothing
+/// stored or swapped, instead of the CPU reading device memory (a crash).
+/// Managed memory, which the CPU can read, is accepted.
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cpu_backend_refuses_device_memory() {
+    use cudarc::driver::sys;
+    let (_dev, _g, [s]) = gpu0();
+    let (chunk, slots) = (64usize, 4u32);
+    let cpu = Context::new(config(BackendChoice::Cpu, slots, true), &[spec(16, chunk as u32)]).unwrap();
+    cpu.store_rows(0, &[0, 1, 2], &[9u8; 3 * 64]).unwrap();
+    let dev_buf = DeviceBuffer::alloc(4096, "device").unwrap();
+    let invalid = |r: kvswap::Result<()>, what: &str| {
+        let e = r.err().unwrap_or_else(|| panic!("{what}: device memory accepted by the CPU backend"));
+        assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{what}: {e}");
+        assert!(e.message.contains("CUDA device memory") && e.message.contains("CPU backend"), "{what}: {e}");
+    };
+    let before = cpu.stats(0).unwrap();
+    invalid(unsafe { cpu.store_raw(0, &[3], dev_buf.ptr, 0, s.0 as u64) }, "store src");
+    invalid(unsafe { cpu.swap_in_raw(0, dev_buf.ptr, 0, 2, s.0 as u64) }, "swap-in indices");
+    let mut host_idx = [0i32, 1];
+    let req = |indices: u64| kvswap::KvswapSwapIn { layer: 0, window_len: 0, count: 2, indices: indices as *mut i32, reserved: 0 };
+    invalid(unsafe { cpu.swap_in_layers_raw(&[req(dev_buf.ptr)], 0, s.0 as u64) }, "swap_in_layers indices");
+    invalid(unsafe { cpu.swap_in_layers_raw(&[req(host_idx.as_mut_ptr() as u64)], dev_buf.ptr, s.0 as u64) }, "swap_in_layers topk");
+    assert_eq!(cpu.stats(0).unwrap(), before, "nothing stored or swapped");
+    let staged = KvswapLayerSpec { staging: dev_buf.ptr as *mut std::ffi::c_void, ..spec(16, chunk as u32) };
+    invalid(Context::new(config(BackendChoice::Cpu, slots, true), &[staged]).map(|_| ()), "engine staging");
+    let q = kvswap::scorer::BoundsRef { query: dev_buf.ptr, min: dev_buf.ptr, max: dev_buf.ptr, dim: 4, n_chunks: 8, out: dev_buf.ptr };
+    invalid(unsafe { kvswap::scorer::bounds_topk(-1, &q, 4, 0) }, "bounds on the CPU");
+    // Managed memory is host-readable: accepted.
+    let mut managed = 0u64;
+    let r = unsafe { sys::cuMemAllocManaged(&mut managed, 64, sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    unsafe { std::ptr::copy_nonoverlapping([0i32, 2].as_ptr(), managed as *mut i32, 2) };
+    unsafe { cpu.swap_in_raw(0, managed, 0, 2, s.0 as u64) }.expect("managed indices on the CPU backend");
+    assert_eq!(unsafe { std::slice::from_raw_parts(managed as *const i32, 2) }, [0, 1]);
+    unsafe { sys::cuMemFree_v2(managed) };
+}
+
 /// Device pointers are checked on every call: a range that passed once and
 /// was then freed is refused, not read by a kernel.
 #[test]

@@ -1322,3 +1322,79 @@ fn cuda_reserve_lets_a_new_stream_be_captured() {
     result.unwrap();
     assert_eq!(d.download_i32(&graphed, k as usize), d.download_i32(&eager, k as usize), "bounds: graph replay vs eager call");
 }
+
+/// The scorers' waiting calls made while another stream is captured in
+/// global mode, by the capturing thread and by another thread: loading a
+/// scorer (allocations, the weights' upload, a module), its first call on
+/// a stream with `KVSWAP_SYNC=1` (a workspace allocated, waits), a
+/// reservation, `fm_scorer_sync` of either scorer, freeing one, the bounds
+/// scorer's reservation and sync. None invalidates the capture (relaxed
+/// capture mode), and its replay equals the single call.
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cuda_scorer_waits_leave_a_global_capture_intact() {
+    let (mut rng, d, ckpt) = bench_setup("scorer gpu waits beside a capture");
+    let scorer = Scorer::with_sync(ckpt.clone(), 0, false).unwrap();
+    let k = 64u32;
+    let batch = random_batch(&d, &mut rng, &scorer, 2, k, &[KeyDtype::Fp8E4m3, KeyDtype::Bf16], (300, 700), |_, _| {});
+    let _g = d.dev.bind().unwrap();
+    let fresh = OwnedStream::new().unwrap();
+    scorer.reserve(1, 1000, fresh.0 as u64).unwrap();
+    let (hidden, keys) = &batch.inputs[1];
+    let waiting_calls = |who: &str| -> kvswap::Result<()> {
+        let _g = d.dev.bind()?;
+        let other = OwnedStream::new()?;
+        let strict = Scorer::with_sync(ckpt.clone(), 0, true)?;
+        assert_eq!(gpu_topk(&d, &strict, hidden, keys, k)?, batch.singles[1], "{who}: a strict scorer's first call");
+        strict.reserve(3, 2000, other.0 as u64)?;
+        strict.sync(other.0 as u64)?;
+        scorer.sync(d.stream.0 as u64)?;
+        drop(strict);
+        kvswap::scorer::bounds_reserve(0, 5000, other.0 as u64)?;
+        kvswap::scorer::bounds_sync(0, other.0 as u64)
+    };
+    let graph = Graph::capture_allowing_waits(fresh.0, || {
+        unsafe { scorer.score_topk(&batch.seqs[0], k, fresh.0 as u64)? };
+        waiting_calls("capturing thread")?;
+        std::thread::scope(|sc| sc.spawn(|| waiting_calls("other thread")).join().unwrap())
+    })
+    .expect("the capture outlives the waiting calls beside it");
+    d.upload_into(&batch.bufs[0].out, &vec![0x5au8; 4 * k as usize]);
+    graph.launch(fresh.0).unwrap();
+    fresh.sync().unwrap();
+    scorer.sync(fresh.0 as u64).unwrap();
+    assert_eq!(d.download_i32(&batch.bufs[0].out, k as usize), batch.singles[0], "the replay");
+}
+
+/// A CPU scorer given device memory (a scorer loaded with device -1 in a
+/// CUDA engine): refused with INVALID_ARGUMENT naming the argument, the
+/// output untouched, instead of the CPU reading device memory (a crash).
+#[test]
+#[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
+fn cpu_scorer_refuses_device_memory() {
+    let mut rng = Rng::fresh("cpu scorer device memory");
+    let d = Dev::new();
+    let ckpt = checkpoint(&mut rng, 1, 64, 128, 256, WeightDtype::Bf16);
+    let scorer = Scorer::with_sync(ckpt, -1, true).unwrap();
+    let n = 32usize;
+    let keys = HostKeys::random(&mut rng, KeyDtype::Bf16, n, 128, 1.0);
+    let hidden = random_hidden(&mut rng, 1, 256);
+    let on_dev = d.upload(&keys.bytes);
+    let mut out = vec![-7i32; 8];
+    let seq = |hidden_at: u64, keys_at: u64, out_at: u64| SeqRef {
+        hidden: hidden_at,
+        keys: KeysRef { data: keys_at, scales: 0, row_stride: 0, dtype: KeyDtype::Bf16 },
+        n_chunks: n,
+        out: out_at,
+    };
+    let (h, k, o) = (hidden.as_ptr() as u64, keys.bytes.as_ptr() as u64, out.as_mut_ptr() as u64);
+    for (s, field) in [(seq(h, on_dev.ptr, o), "keys.data"), (seq(on_dev.ptr, k, o), "hidden"), (seq(h, k, on_dev.ptr), "out_indices")] {
+        let e = unsafe { scorer.score_topk(&s, 8, 0) }.err().unwrap_or_else(|| panic!("{field}: device memory accepted"));
+        assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{field}: {e}");
+        assert!(e.message.contains(field) && e.message.contains("CUDA device memory"), "{field}: {e}");
+        let e = unsafe { scorer.score_topk_batch(&[seq(h, k, o), s], 8, 0) }.expect_err("batch");
+        assert!(e.message.contains(&format!("seqs[1].{field}")), "{field}: {e}");
+    }
+    assert_eq!(out, vec![-7; 8], "nothing written");
+    unsafe { scorer.score_topk(&seq(h, k, o), 8, 0) }.expect("host memory on the CPU scorer");
+}

@@ -12,6 +12,25 @@ pub mod cuda;
 /// An engine stream (`CUstream` on CUDA; ignored on the CPU backend).
 pub type StreamHandle = u64;
 
+/// Refuses device memory given to a CPU-backend call, where the CUDA driver
+/// can tell: the CPU backend reads every pointer as host memory, and the
+/// CPU reading device memory is a crash, not an error. Needs a CUDA build
+/// and a CUDA driver on the machine (the check asks the driver about
+/// `ptr`); without them nothing is checked (nor could device memory exist).
+/// `what` names the argument.
+pub(crate) fn refuse_device_memory(ptr: u64, what: &str) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if ptr != 0 && cuda::driver::init().is_ok() && cuda::driver::is_device_only(ptr) {
+        return Err(Error::invalid(format!(
+            "{what} ({ptr:#x}) is CUDA device memory, but this is the CPU backend, which reads host memory: \
+             create the context or scorer on the CUDA backend (KVSWAP_BACKEND=cuda, or a device >= 0)"
+        )));
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (ptr, what);
+    Ok(())
+}
+
 /// What backend a context ended up on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendKind {

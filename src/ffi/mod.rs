@@ -44,13 +44,18 @@ pub use scorer::*;
 /// stream created at the same address is taken for the same stream.
 ///
 /// Calls that wait for the device (`KVSWAP_SYNC=1` calls, `kvswap_sync`,
-/// `kvswap_layer_stats`, `fm_scorer_sync`, `fm_bounds_sync`) or allocate or
-/// free device memory (`kvswap_create`, `kvswap_destroy`, `fm_scorer_load`,
-/// `fm_scorer_free`, a scorer's or the bounds scorer's first call on a
-/// stream or on a device, a call that grows a stream's workspace) must not run while another thread
-/// captures in `cudaStreamCaptureModeGlobal`: CUDA invalidates that
-/// capture. Capture in thread-local or relaxed mode, or make such calls
-/// before or after it.
+/// `kvswap_layer_sync`, `kvswap_layer_stats`, `kvswap_layer_stats_peek`,
+/// `fm_scorer_sync`, `fm_bounds_sync`) or allocate or free memory
+/// (`kvswap_create`, `kvswap_destroy`, `fm_scorer_load`, `fm_scorer_free`,
+/// the reservations, a scorer's or the bounds scorer's first call on a
+/// stream or on a device, a call that grows a stream's workspace) may run
+/// while this or another thread captures another stream in
+/// `cudaStreamCaptureModeGlobal` (`torch.cuda.graph`'s default): kvswap
+/// makes its own waits, allocations and frees in relaxed capture mode
+/// (`cuThreadExchangeStreamCaptureMode`, as PyTorch's allocator does), so
+/// they do not invalidate that capture. They only ever wait for kvswap's
+/// own work; a wait on the stream being captured is refused instead
+/// (`KVSWAP_STATUS_INVALID_ARGUMENT`, see each call).
 pub type KvswapStream = *mut c_void;
 
 /// Opaque handle to a kvswap context. Create with `kvswap_create`, free with
@@ -276,8 +281,9 @@ pub extern "C" fn kvswap_store(
 /// Errors (nothing stored, except as said for a device error):
 /// `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`, `ids`
 /// or `src`); `KVSWAP_STATUS_INVALID_ARGUMENT` (`n` 0, a misaligned pointer,
-/// a stride below `chunk_bytes`, on CUDA the NULL stream or host memory
-/// where device memory is expected); `KVSWAP_STATUS_OUT_OF_RANGE` (a bad
+/// a stride below `chunk_bytes`, on CUDA the NULL stream or pageable host
+/// memory where device memory is expected: pinned, device-mapped host memory
+/// is accepted); `KVSWAP_STATUS_OUT_OF_RANGE` (a bad
 /// layer or id, `n` above 2^32 - 1, rows running past the end of the
 /// address space or, on CUDA, of `src`'s allocation);
 /// `KVSWAP_STATUS_OUT_OF_MEMORY` (the batch's id table);
@@ -331,7 +337,7 @@ pub extern "C" fn kvswap_store_batch(
 /// resident slot).
 /// Other errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx` or `indices`);
 /// `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `indices`, on CUDA the NULL
-/// stream or host memory); `KVSWAP_STATUS_OUT_OF_RANGE` (a bad layer, an
+/// stream or pageable host memory); `KVSWAP_STATUS_OUT_OF_RANGE` (a bad layer, an
 /// id below -1 or at or above `compressed_cap` (with `sync = 0` reported
 /// later, as above), `count` above
 /// `gpu_chunks` (on a layer without swap: above the larger of `gpu_chunks`
@@ -408,7 +414,8 @@ pub extern "C" fn kvswap_swap_in_selected(
 /// `KVSWAP_STATUS_NULL_POINTER` (NULL `ctx`, `requests` or a request's
 /// `indices`); `KVSWAP_STATUS_INVALID_ARGUMENT` (`n` 0, a layer named twice,
 /// selected entries that overlap another request's or `topk`, a nonzero
-/// `reserved`, a misaligned pointer, on CUDA the NULL stream or host memory);
+/// `reserved`, a misaligned pointer, on CUDA the NULL stream or pageable
+/// host memory);
 /// `KVSWAP_STATUS_OUT_OF_RANGE` (as `kvswap_swap_in_selected`, per request;
 /// on CUDA `topk` past the end of its allocation);
 /// `KVSWAP_STATUS_WRONG_DEVICE`; `KVSWAP_STATUS_DEVICE_ERROR`;

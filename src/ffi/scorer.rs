@@ -316,10 +316,9 @@ pub extern "C" fn fm_scorer_set_sync(scorer: *mut FmScorer, sync: u32) -> Kvswap
 /// stream into a CUDA graph, instead of a warm-up call with real inputs. A
 /// later call with more chunks or sequences grows the workspace again
 /// (and waits). This call waits for the stream when it allocates (a
-/// workspace already as large changes nothing and waits for nothing); do
-/// not make it while another thread captures in
-/// `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then, and that
-/// capture is invalidated). On the CPU backend there is no workspace: the
+/// workspace already as large changes nothing and waits for nothing); it
+/// may run while another stream is captured in any mode (see
+/// `KvswapStream`). On the CPU backend there is no workspace: the
 /// arguments are checked and `stream` is ignored.
 /// Errors (no workspace allocated): `KVSWAP_STATUS_NULL_POINTER` (NULL
 /// `scorer`); `KVSWAP_STATUS_INVALID_ARGUMENT` (misaligned `scorer`,
@@ -330,7 +329,7 @@ pub extern "C" fn fm_scorer_set_sync(scorer: *mut FmScorer, sync: u32) -> Kvswap
 /// `KVSWAP_STATUS_OUT_OF_MEMORY` (the workspace: about 12 bytes per chunk
 /// of up to 64 sequences, plus about 33 KB and the projections per
 /// sequence); `KVSWAP_STATUS_DEVICE_ERROR` (an allocation, clear or wait
-/// the driver refuses, as during another thread's global-mode capture).
+/// the driver refuses).
 #[no_mangle]
 pub extern "C" fn fm_scorer_reserve(scorer: *const FmScorer, n_seqs: usize, n_chunks: usize, stream: KvswapStream) -> KvswapStatus {
     boundary("fm_scorer_reserve", || scorer_ref(scorer)?.reserve(n_seqs, n_chunks, stream as u64))
@@ -370,15 +369,15 @@ pub extern "C" fn fm_scorer_reserve(scorer: *const FmScorer, n_seqs: usize, n_ch
 /// `count = k`, that call then turns the selected logical ids into physical
 /// ids (the -1 padding stays -1).
 ///
-/// On the CPU backend every pointer is a host pointer and `stream` is
+/// On the CPU backend every pointer is a host pointer (device memory is
+/// refused where a CUDA driver identifies it) and `stream` is
 /// ignored; on CUDA `hidden`, `keys->data`, `keys->scales` and
 /// `out_indices` are device pointers (`keys` itself is host memory) and the
 /// work is ordered on `stream`. The first call on a stream, and a call with more chunks than
 /// any before on it, allocates the stream's workspace: make that call, or
 /// `fm_scorer_reserve` for the shapes you will capture, before capturing
-/// the stream, and not while another thread captures in
-/// `cudaStreamCaptureModeGlobal` (CUDA refuses allocations then). Such a
-/// call also waits for the stream, with either
+/// the stream (another stream's capture, in any mode, does not mind it:
+/// see `KvswapStream`). Such a call also waits for the stream, with either
 /// `KVSWAP_SYNC` (the new workspace is cleared and an old one's pending
 /// error moved over before the old one is freed). A workspace (about 12 bytes per chunk, plus the projections of
 /// up to 64 sequences) stays until the scorer is freed, one per stream (and
@@ -400,8 +399,8 @@ pub extern "C" fn fm_scorer_reserve(scorer: *const FmScorer, n_seqs: usize, n_ch
 ///   the scales of fp8 keys or `out_indices` NULL;
 /// - `KVSWAP_STATUS_INVALID_ARGUMENT`: a zero size (above), a misaligned
 ///   pointer, an unknown key dtype or a bad `row_stride_bytes`, a NaN/Inf
-///   value (above); on CUDA also host memory where device memory is
-///   expected, the NULL (legacy) stream, sync 1 on a stream being
+///   value (above); on CUDA also pageable host memory where device memory
+///   is expected, the NULL (legacy) stream, sync 1 on a stream being
 ///   captured, a workspace that would have to grow during a capture, and a
 ///   score that overflows f32 (the CPU's f64 reference does not);
 /// - `KVSWAP_STATUS_OUT_OF_RANGE`: a size above its limit (above); on CUDA a
@@ -607,8 +606,7 @@ pub extern "C" fn fm_bounds_sync(device: i32, stream: KvswapStream) -> KvswapSta
 /// `fm_scorer_reserve` for the bounds scorer of `device`: allocates
 /// `stream`'s workspace for every `fm_bounds_topk` call of up to `n_chunks`
 /// chunks there, so those calls need no allocation (call it before
-/// capturing the stream; not during another thread's global-mode
-/// capture). The first call on a device also compiles the kernels (kept
+/// capturing the stream). The first call on a device also compiles the kernels (kept
 /// for the process, also when the call then fails). The sync setting plays
 /// no part. On the CPU (`device` -1) the arguments are checked and nothing
 /// else happens.

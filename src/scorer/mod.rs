@@ -202,6 +202,19 @@ impl Scorer {
         self.backend.reserve(seqs, chunks, stream)
     }
 
+    /// On the CPU backend, device memory among a sequence's addresses
+    /// ([`crate::backend::refuse_device_memory`]); nothing on CUDA.
+    fn refuse_device_memory(&self, s: &SeqRef, batch: Option<usize>) -> Result<()> {
+        if self.backend_kind() != BackendKind::Cpu {
+            return Ok(());
+        }
+        let name = |field: &str| batch.map_or(field.to_string(), |i| format!("seqs[{i}].{field}"));
+        for (ptr, field) in [(s.hidden, "hidden"), (s.keys.data, "keys.data"), (s.keys.scales, "keys.scales"), (s.out, "out_indices")] {
+            crate::backend::refuse_device_memory(ptr, &name(field))?;
+        }
+        Ok(())
+    }
+
     /// One sequence: checks the arguments, then scores and writes the top-k.
     ///
     /// # Safety
@@ -212,6 +225,7 @@ impl Scorer {
     pub unsafe fn score_topk(&self, seq: &SeqRef, k: u32, stream: StreamHandle) -> Result<()> {
         args::check_k(k)?;
         args::check_seq(seq, self.meta().head_dim as usize, None)?;
+        self.refuse_device_memory(seq, None)?;
         // SAFETY: arguments checked above; validity of memory is the caller's
         // promise, passed on.
         unsafe { self.backend.score_topk(seq, k as usize, self.mode(), stream) }
@@ -231,6 +245,7 @@ impl Scorer {
         args::check_batch(seqs.len())?;
         for (i, s) in seqs.iter().enumerate() {
             args::check_seq(s, self.meta().head_dim as usize, Some(i))?;
+            self.refuse_device_memory(s, Some(i))?;
         }
         args::check_outputs_disjoint(seqs, k as usize)?;
         // SAFETY: as above.
@@ -247,6 +262,11 @@ impl Scorer {
 pub unsafe fn bounds_topk(device: i32, b: &BoundsRef, k: u32, stream: StreamHandle) -> Result<()> {
     args::check_k(k)?;
     args::check_bounds(b)?;
+    if device == -1 {
+        for (ptr, what) in [(b.query, "query"), (b.min, "bounds_min"), (b.max, "bounds_max"), (b.out, "out_indices")] {
+            crate::backend::refuse_device_memory(ptr, what)?;
+        }
+    }
     let backend = backend::open_bounds(device)?;
     // SAFETY: arguments checked above; memory validity is the caller's promise.
     unsafe { backend.bounds_topk(b, k as usize, stream) }

@@ -137,6 +137,59 @@ pub fn init() -> Result<()> {
     .clone()
 }
 
+/// The calling thread in relaxed stream-capture mode until dropped, then
+/// back in the mode it had (`cuThreadExchangeStreamCaptureMode`).
+///
+/// In CUDA's default `cudaStreamCaptureModeGlobal`, a potentially unsafe
+/// call (a host wait, an allocation or free, a module load) made by any
+/// thread while some thread captures a stream in global mode fails and
+/// invalidates that capture, even when the call has nothing to do with
+/// the captured stream. Every such call kvswap makes is of its own
+/// resources (its events, its non-blocking internal stream, its memory),
+/// never a wait on a stream being captured (those are refused first), so
+/// it runs in relaxed mode, as PyTorch's allocator does for its
+/// allocations: an engine's global-mode capture on another stream or
+/// thread goes on undisturbed. Made only where the driver is loaded (a
+/// live CUDA object implies `init`); a failed exchange leaves the mode as
+/// it was.
+pub struct RelaxedCapture(Option<sys::CUstreamCaptureMode>);
+
+impl RelaxedCapture {
+    pub fn enter() -> RelaxedCapture {
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: in/out-pointer is a local; the driver is loaded (callers
+        // hold a CUDA object).
+        let r = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        RelaxedCapture((r == sys::CUresult::CUDA_SUCCESS).then_some(mode))
+    }
+}
+
+impl Drop for RelaxedCapture {
+    fn drop(&mut self) {
+        if let Some(mut mode) = self.0 {
+            // SAFETY: restores the mode `enter` exchanged (guards nest:
+            // each restores what it found).
+            unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        }
+    }
+}
+
+thread_local! {
+    /// Host waits (`stream_sync`, `Event::sync`) made by this thread, which
+    /// [`Graph::capture`] compares around its body: relaxed mode no longer
+    /// makes a wait inside a capture fail, so the count proves there was none.
+    static HOST_WAITS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Host waits made by the calling thread so far (tests and benchmarks).
+pub fn host_waits() -> u64 {
+    HOST_WAITS.with(|w| w.get())
+}
+
+fn count_host_wait() {
+    HOST_WAITS.with(|w| w.set(w.get() + 1));
+}
+
 pub fn device_count() -> Result<i32> {
     init()?;
     let mut n = 0;
@@ -199,6 +252,7 @@ impl Device {
         let mut name_buf = [0 as std::ffi::c_char; 256];
         let mut total_mem = 0usize;
         let mut ctx: CUcontext = std::ptr::null_mut();
+        let _relaxed = RelaxedCapture::enter();
         // SAFETY: buffers are large enough; dev is valid.
         unsafe {
             check(sys::cuDeviceGetName(name_buf.as_mut_ptr(), 255, dev), "cuDeviceGetName")?;
@@ -221,6 +275,7 @@ impl Device {
 
 impl Drop for Device {
     fn drop(&mut self) {
+        let _relaxed = RelaxedCapture::enter();
         // SAFETY: balanced with the retain in `open`.
         unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.dev) };
     }
@@ -247,6 +302,7 @@ impl DeviceBuffer {
     /// `bytes` of device memory (the device's context must be current).
     pub fn alloc(bytes: usize, what: &str) -> Result<DeviceBuffer> {
         let mut ptr = 0;
+        let _relaxed = RelaxedCapture::enter();
         // SAFETY: out-pointer is a local.
         check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) }, &format!("cuMemAlloc({bytes} bytes, {what})"))?;
         Ok(DeviceBuffer { ptr, bytes })
@@ -255,11 +311,11 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
+        let _relaxed = RelaxedCapture::enter();
         // SAFETY: allocated by cuMemAlloc; freeing needs no current context
         // for allocations made in a primary context that is still retained.
         let r = unsafe { sys::cuMemFree_v2(self.ptr) };
-        // A failure (e.g. another thread capturing in global mode) leaks the
-        // buffer; drop cannot return it, so it is logged.
+        // A failure leaks the buffer; drop cannot return it, so it is logged.
         if r != sys::CUresult::CUDA_SUCCESS {
             log::warn!("kvswap: cuMemFree of {} bytes failed ({r:?}); the buffer is leaked", self.bytes);
         }
@@ -282,6 +338,7 @@ impl PinnedBuffer {
     pub fn alloc(bytes: usize) -> Result<PinnedBuffer> {
         let mut host: *mut c_void = std::ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        let _relaxed = RelaxedCapture::enter();
         // SAFETY: out-pointer is a local.
         check(unsafe { sys::cuMemHostAlloc(&mut host, bytes.max(1), flags) }, &format!("cuMemHostAlloc({} MiB pinned)", bytes >> 20))
             .map_err(|e| if e.status == KvswapStatus::DeviceError { Error::new(KvswapStatus::OutOfMemory, e.message) } else { e })?;
@@ -298,6 +355,7 @@ impl PinnedBuffer {
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
+        let _relaxed = RelaxedCapture::enter();
         // SAFETY: allocated by cuMemHostAlloc.
         unsafe { sys::cuMemFreeHost(self.host as *mut c_void) };
     }
@@ -314,6 +372,7 @@ unsafe impl Sync for OwnedStream {}
 impl OwnedStream {
     pub fn new() -> Result<OwnedStream> {
         let mut s: CUstream = std::ptr::null_mut();
+        let _relaxed = RelaxedCapture::enter();
         // SAFETY: out-pointer is a local.
         check(unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate")?;
         Ok(OwnedStream(s))
@@ -325,12 +384,17 @@ impl OwnedStream {
 
 impl Drop for OwnedStream {
     fn drop(&mut self) {
+        let _relaxed = RelaxedCapture::enter();
         // SAFETY: created by cuStreamCreate.
         unsafe { sys::cuStreamDestroy_v2(self.0) };
     }
 }
 
+/// Waits for `s` (never one being captured: callers check first). Relaxed
+/// capture mode (see [`RelaxedCapture`]); counted in [`host_waits`].
 pub fn stream_sync(s: CUstream) -> Result<()> {
+    count_host_wait();
+    let _relaxed = RelaxedCapture::enter();
     // SAFETY: the caller passes a live stream handle.
     check(unsafe { sys::cuStreamSynchronize(s) }, "cuStreamSynchronize")
 }
@@ -405,6 +469,22 @@ pub fn pointer_info(p: u64) -> Result<Option<PtrInfo>> {
     Ok(Some(PtrInfo { memory_type: mem_type, device_ordinal: ordinal, range_start: start, range_size: size as u64 }))
 }
 
+/// Whether `p` is device memory the CPU cannot read: device memory that is
+/// not managed (managed and pinned host memory are readable). False for
+/// memory the driver does not know (pageable host memory) and when it
+/// cannot tell.
+pub fn is_device_only(p: u64) -> bool {
+    use sys::CUpointer_attribute::*;
+    let mut mem_type: u32 = 0;
+    let mut managed: u32 = 0;
+    let mut attrs = [CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_IS_MANAGED];
+    let mut data: [*mut c_void; 2] = [&mut mem_type as *mut u32 as *mut c_void, &mut managed as *mut u32 as *mut c_void];
+    // SAFETY: each data slot points to storage of the attribute's type.
+    let r = unsafe { sys::cuPointerGetAttributes(2, attrs.as_mut_ptr(), data.as_mut_ptr(), p) };
+    const DEVICE: u32 = 2; // CU_MEMORYTYPE_DEVICE
+    r == sys::CUresult::CUDA_SUCCESS && mem_type == DEVICE && managed == 0
+}
+
 /// An event the library owns, without timing (cheap to record).
 pub struct Event(pub sys::CUevent);
 
@@ -416,6 +496,7 @@ impl Event {
     pub fn new(timing: bool) -> Result<Event> {
         let mut e: sys::CUevent = std::ptr::null_mut();
         let flags = if timing { 0 } else { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32 };
+        let _relaxed = RelaxedCapture::enter();
         // SAFETY: out-pointer is a local.
         check(unsafe { sys::cuEventCreate(&mut e, flags) }, "cuEventCreate")?;
         Ok(Event(e))
@@ -424,7 +505,11 @@ impl Event {
         // SAFETY: live event and stream.
         check(unsafe { sys::cuEventRecord(self.0, s) }, "cuEventRecord")
     }
+    /// Waits for the event's last record (always an eager one: captured
+    /// calls record none). Relaxed capture mode; counted in [`host_waits`].
     pub fn sync(&self) -> Result<()> {
+        count_host_wait();
+        let _relaxed = RelaxedCapture::enter();
         // SAFETY: live event.
         check(unsafe { sys::cuEventSynchronize(self.0) }, "cuEventSynchronize")
     }
@@ -442,6 +527,7 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
+        let _relaxed = RelaxedCapture::enter();
         // SAFETY: created by cuEventCreate.
         unsafe { sys::cuEventDestroy_v2(self.0) };
     }
@@ -462,6 +548,7 @@ impl Module {
         let mut ctx: CUcontext = std::ptr::null_mut();
         // SAFETY: out-pointer is a local.
         check(unsafe { sys::cuCtxGetCurrent(&mut ctx) }, "cuCtxGetCurrent")?;
+        let _relaxed = RelaxedCapture::enter();
         // SAFETY: image is a complete CUBIN produced by NVRTC.
         check(unsafe { sys::cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) }, "cuModuleLoadData")?;
         Ok(Module(m, ctx))
@@ -481,6 +568,7 @@ impl Drop for Module {
         // owner declares the module before the device). The push is
         // balanced by the pop; a failed push leaves the module to the
         // context's own teardown.
+        let _relaxed = RelaxedCapture::enter();
         unsafe {
             if sys::cuCtxPushCurrent_v2(self.1) == sys::CUresult::CUDA_SUCCESS {
                 sys::cuModuleUnload(self.0);
@@ -678,10 +766,26 @@ unsafe impl Send for Graph {}
 unsafe impl Sync for Graph {}
 
 impl Graph {
-    /// Captures what `body` enqueues on `s` (global mode: any host wait or
-    /// legacy-stream use inside it makes the capture fail) and instantiates
-    /// it. The capture is ended on every path; `body`'s error comes first.
+    /// Captures what `body` enqueues on `s` (global mode: a legacy-stream
+    /// use or an unsafe call outside kvswap's relaxed sections makes the
+    /// capture fail) and instantiates it. A host wait by this thread inside
+    /// `body` is an error too ([`host_waits`]: kvswap's own waits run in
+    /// relaxed mode, which global mode no longer catches). The capture is
+    /// ended on every path; `body`'s error comes first.
     pub fn capture(s: CUstream, body: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        Graph::capture_allowing_waits(s, || {
+            let waits = host_waits();
+            body()?;
+            match host_waits() - waits {
+                0 => Ok(()),
+                n => Err(Error::device(format!("{n} host wait(s) inside a capture: a captured call must not wait for the device"))),
+            }
+        })
+    }
+
+    /// [`Graph::capture`] without the host-wait count: for tests of kvswap's
+    /// waiting calls made beside a global-mode capture.
+    pub fn capture_allowing_waits(s: CUstream, body: impl FnOnce() -> Result<()>) -> Result<Graph> {
         // SAFETY: s is a live stream; the capture is ended below on every path.
         check(unsafe { sys::cuStreamBeginCapture_v2(s, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL) }, "cuStreamBeginCapture")?;
         let r = body();
@@ -724,20 +828,24 @@ impl Drop for Graph {
     }
 }
 
-/// Asynchronous device -> host copy.
+/// Asynchronous device -> host copy (relaxed capture mode: the host side
+/// may be pageable memory, which copies synchronously).
 ///
 /// # Safety
 /// `dst` must be writable for `bytes` until the stream reaches the copy.
 pub unsafe fn copy_dtoh_async(dst: *mut u8, src: CUdeviceptr, bytes: usize, s: CUstream) -> Result<()> {
+    let _relaxed = RelaxedCapture::enter();
     // SAFETY: forwarded caller contract.
     check(unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, bytes, s) }, "cuMemcpyDtoHAsync")
 }
 
-/// Asynchronous host -> device copy.
+/// Asynchronous host -> device copy (relaxed capture mode, as
+/// [`copy_dtoh_async`]).
 ///
 /// # Safety
 /// `src` must stay readable for `bytes` until the stream reaches the copy.
 pub unsafe fn copy_htod_async(dst: CUdeviceptr, src: *const u8, bytes: usize, s: CUstream) -> Result<()> {
+    let _relaxed = RelaxedCapture::enter();
     // SAFETY: forwarded caller contract.
     check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, s) }, "cuMemcpyHtoDAsync")
 }

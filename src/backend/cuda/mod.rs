@@ -109,7 +109,7 @@ impl Shared {
     ///
     /// # Safety
     /// `params` match `kernel`'s parameters, as `Kernel::launch` requires.
-    unsafe fn launch_gather(&self, kernel: &Kernel, grid: (u32, u32), s: CUstream, params: &mut [*mut c_void], what: &str) -> std::result::Result<(), (Error, Error)> {
+    unsafe fn launch_gather(&self, kernel: &Kernel, grid: (u32, u32), s: CUstream, params: &mut [*mut c_void], what: impl Fn() -> String) -> std::result::Result<(), (Error, Error)> {
         let attempt = |dependent: bool, params: &mut [*mut c_void]| -> Result<()> {
             if gather_fault_injected() {
                 return Err(Error::device("gather launch refused (injected by a test)"));
@@ -128,7 +128,7 @@ impl Shared {
         if let Err(e2) = attempt(false, params) {
             return Err((e1, e2));
         }
-        log::warn!("kvswap: {what}: gather launch failed ({}); retried as a plain launch", e1.message);
+        log::warn!("kvswap: {}: gather launch failed ({}); retried as a plain launch", what(), e1.message);
         if pdl {
             self.pdl.store(false, Ordering::Relaxed);
             log::warn!("kvswap: programmatic dependent launch of the gather turned off for this context");
@@ -256,9 +256,10 @@ impl CudaBackend {
         let mut launched = unsafe { k.swap_in_multi.launch(n, threads, smem, s, &mut params) };
         if launched.is_ok() && pieces > 0 {
             let gx = pieces.div_ceil(8).clamp(1, (sh.device.sm_count as u64 * 16 / n as u64).max(1)) as u32;
-            let what = format!("layers {}", group.iter().map(|(l, _)| l.plan.index.to_string()).collect::<Vec<_>>().join(", "));
+            // The layers' names only for the log line of a retried launch.
+            let what = || format!("layers {}", group.iter().map(|(l, _)| l.plan.index.to_string()).collect::<Vec<_>>().join(", "));
             // SAFETY: parameters match kvswap_gather_multi(const LayerDev*, MultiReqs).
-            if let Err((e1, e2)) = unsafe { sh.launch_gather(&k.gather_multi, (gx, n), s, &mut params, &what) } {
+            if let Err((e1, e2)) = unsafe { sh.launch_gather(&k.gather_multi, (gx, n), s, &mut params, what) } {
                 let both = format!("{} (retried as a plain launch: {})", e1.message, e2.message);
                 launched = Err(if capturing {
                     Error::new(e1.status, both)
@@ -426,10 +427,11 @@ pub(crate) fn check_waitable(device: &Device, s: CUstream, what: &str) -> Result
 /// Refuses the legacy default stream and streams of other devices.
 pub(crate) fn check_stream_device(device: &Device, s: CUstream) -> Result<()> {
     if s.is_null() || s as usize == 1 {
-        return Err(Error::invalid(
-            "stream is the legacy default stream (NULL): pass the engine's CUstream \
-             (CU_STREAM_PER_THREAD is accepted); kvswap never uses the legacy stream",
-        ));
+        let which = if s.is_null() { "NULL" } else { "CU_STREAM_LEGACY" };
+        return Err(Error::invalid(format!(
+            "stream is the legacy default stream ({which}): pass the engine's CUstream \
+             (CU_STREAM_PER_THREAD is accepted); kvswap never uses the legacy stream"
+        )));
     }
     let ctx = driver::stream_context(s)?;
     if ctx != device.ctx {
@@ -442,25 +444,51 @@ pub(crate) fn check_stream_device(device: &Device, s: CUstream) -> Result<()> {
 }
 
 /// Checks that `[ptr, ptr + bytes)` is device memory of `device` (or pinned
-/// host memory the device can address); returns the allocation's range.
+/// host memory the device can address); returns the range of the memory
+/// that holds it.
+///
+/// The driver reports the range of the one allocation that holds an
+/// address. Virtual-memory allocators (PyTorch's `expandable_segments`,
+/// ggml's VMM pool) map several physical allocations side by side into one
+/// buffer, so a buffer may continue past that range: the check then walks
+/// on, range by range, while each next one starts where the last ended and
+/// is memory of the same kind and device (at most `MAX_PIECES` of them).
+/// A buffer running into unmapped or other memory is refused.
 pub(crate) fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &str) -> Result<(u64, u64)> {
+    const HOST: u32 = 1;
+    const MAX_PIECES: usize = 1 << 16;
     let info = driver::pointer_info(ptr)?.ok_or_else(|| {
         Error::invalid(format!("{what} ({ptr:#x}) is not CUDA memory: on the CUDA backend it must be a device pointer"))
     })?;
-    const HOST: u32 = 1;
     if info.memory_type != HOST && info.device_ordinal != device.ordinal {
         return Err(Error::new(
             KvswapStatus::WrongDevice,
             format!("{what} ({ptr:#x}) is memory of device {}, but this kvswap object is bound to device {}", info.device_ordinal, device.ordinal),
         ));
     }
-    if ptr.checked_add(bytes).is_none_or(|end| end > info.range_start + info.range_size) {
-        return Err(Error::out_of_range(format!(
+    let past_end = |range_end: u64| {
+        Error::out_of_range(format!(
             "{what} ({ptr:#x}, {bytes} bytes) runs past the end of its allocation ({} bytes from {:#x})",
-            info.range_size, info.range_start
-        )));
+            range_end - info.range_start,
+            info.range_start
+        ))
+    };
+    let mut range_end = info.range_start + info.range_size;
+    let end = ptr.checked_add(bytes).ok_or_else(|| past_end(range_end))?;
+    let mut pieces = 1;
+    while end > range_end {
+        // An address the driver does not describe (unmapped) ends the walk.
+        let next = match driver::pointer_info(range_end) {
+            Ok(Some(n)) if n.range_start == range_end && n.range_size > 0 && n.memory_type == info.memory_type && n.device_ordinal == info.device_ordinal => n,
+            _ => return Err(past_end(range_end)),
+        };
+        pieces += 1;
+        if pieces > MAX_PIECES {
+            return Err(past_end(range_end));
+        }
+        range_end = next.range_start + next.range_size;
     }
-    Ok((info.range_start, info.range_start + info.range_size))
+    Ok((info.range_start, range_end))
 }
 
 /// Offsets (in 4-byte words) of a layer's metadata arrays in one allocation.
@@ -816,9 +844,9 @@ impl CudaLayer {
             // If it cannot be launched at all, an eager call leaves the layer
             // unusable, and a captured one returns the error (the capture
             // must be discarded): its error names the first cause.
-            let what = format!("layer {}", self.plan.index);
+            let index = self.plan.index;
             // SAFETY: parameters match kvswap_gather(LayerDev, u32).
-            if let Err((e1, e2)) = unsafe { self.sh.launch_gather(&k.gather, (grid, 1), s, &mut params, &what) } {
+            if let Err((e1, e2)) = unsafe { self.sh.launch_gather(&k.gather, (grid, 1), s, &mut params, || format!("layer {index}")) } {
                 if capturing {
                     return Err(Error::new(e1.status, format!("{} (retried as a plain launch: {})", e1.message, e2.message)));
                 }

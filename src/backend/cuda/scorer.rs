@@ -772,7 +772,7 @@ impl CudaScorer {
         // that poisons the context, so it is refused here.
         if !k.data.is_multiple_of(16) || stride % 16 != 0 {
             return Err(Error::invalid(format!(
-                "{what}: the CUDA scorer reads {} key rows 16 bytes at a time: data and row stride must be \
+                "{what}keys: the CUDA scorer reads {} key rows 16 bytes at a time: data and row stride must be \
                  16-byte aligned (data {:#x}, stride {stride})",
                 k.dtype.name(),
                 k.data
