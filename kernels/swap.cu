@@ -350,7 +350,7 @@ struct MultiReq {
     u32 layer;   // index into the LayerDev table
     u32 window;
     u32 count;
-    u32 vec;     // the gather's 16-byte copies for this layer
+    u32 vec;     // the gather's copy width for this layer (warp_copy)
 };
 struct MultiReqs {
     const i32* src;
@@ -372,25 +372,34 @@ kvswap_swap_in_multi(const LayerDev* table, MultiReqs q) {
     swap_in_block(L, r.indices, r.window, r.count, 0u);
 }
 
-// Copies `bytes` bytes from src to dst with one warp; 16-byte accesses when
-// `vec` (both addresses and the size 16-byte aligned), 4 loads in flight.
-__device__ __forceinline__ void warp_copy(u8* dst, const u8* src, u64 bytes, bool vec) {
+// Copies `n` words of type T from src to dst with one warp, 4 loads in
+// flight per lane (reads from the mapped host tier cross PCIe: one load at a
+// time per lane would leave the copy bound by its latency).
+template <typename T>
+__device__ __forceinline__ void warp_copy_words(u8* dst, const u8* src, u64 n) {
     const u32 lane = threadIdx.x & 31u;
-    if (vec) {
-        const uint4* s = (const uint4*)src;
-        uint4* d = (uint4*)dst;
-        const u64 n = bytes / 16;
-        u64 i = lane;
-        for (; i + 96 < n; i += 128) {
-            uint4 a = s[i], b = s[i + 32], c = s[i + 64], f = s[i + 96];
-            d[i] = a;
-            d[i + 32] = b;
-            d[i + 64] = c;
-            d[i + 96] = f;
-        }
-        for (; i < n; i += 32) d[i] = s[i];
-    } else {
-        for (u64 i = lane; i < bytes; i += 32) dst[i] = src[i];
+    const T* s = (const T*)src;
+    T* d = (T*)dst;
+    u64 i = lane;
+    for (; i + 96 < n; i += 128) {
+        const T a = s[i], b = s[i + 32], c = s[i + 64], f = s[i + 96];
+        d[i] = a;
+        d[i + 32] = b;
+        d[i + 64] = c;
+        d[i + 96] = f;
+    }
+    for (; i < n; i += 32) d[i] = s[i];
+}
+
+// Copies `bytes` bytes from src to dst with one warp, in words of `width`
+// bytes (16, 8, 4 or 1: the host's choice, which divides both addresses and
+// the size of every copy of the launch).
+__device__ __forceinline__ void warp_copy(u8* dst, const u8* src, u64 bytes, u32 width) {
+    switch (width) {
+        case 16: warp_copy_words<uint4>(dst, src, bytes / 16); break;
+        case 8: warp_copy_words<u64>(dst, src, bytes / 8); break;
+        case 4: warp_copy_words<u32>(dst, src, bytes / 4); break;
+        default: warp_copy_words<u8>(dst, src, bytes); break;
     }
 }
 
@@ -407,7 +416,7 @@ __device__ __forceinline__ void gather_block(const LayerDev& L, u32 vec) {
         const u32 s = L.miss_list[2 * r], id = L.miss_list[2 * r + 1];
         const u64 off = q * KV_PIECE;
         const u64 len = min((u64)KV_PIECE, L.chunk_bytes - off);
-        warp_copy(L.staging + s * L.stride + off, L.host_tier + id * L.chunk_bytes + off, len, vec != 0);
+        warp_copy(L.staging + s * L.stride + off, L.host_tier + id * L.chunk_bytes + off, len, vec);
     }
 }
 
@@ -448,9 +457,9 @@ extern "C" __global__ void kvswap_store(LayerDev L, const u8* src, u64 src_strid
         const u64 off = q * KV_PIECE;
         const u64 len = min((u64)KV_PIECE, L.chunk_bytes - off);
         const u8* from = src + ids.rows[r] * src_stride + off;
-        warp_copy(L.host_tier + id * L.chunk_bytes + off, from, len, vec != 0);
+        warp_copy(L.host_tier + id * L.chunk_bytes + off, from, len, vec);
         const u32 s = L.identity ? id : L.chunk_slot[id];
-        if (s < KV_CLAIM) warp_copy(L.staging + s * L.stride + off, from, len, vec != 0);
+        if (s < KV_CLAIM) warp_copy(L.staging + s * L.stride + off, from, len, vec);
         if (q == 0 && lane == 0) {
             // A refresh: the slot already held this chunk (on a fully
             // resident layer the first store fills the slot).

@@ -315,8 +315,9 @@ fn decode_steps(dev: &Device, s: sys::CUstream, name: &str, layers: usize, cap: 
     Ok(StepRow { name: name.to_string(), layers, selected, hit_rate, sync_us: res[0], async_us: res[1] })
 }
 
-/// Runs the whole benchmark on device `device`. `quick` shrinks it.
-pub fn run(device: i32, quick: bool) -> Result<Report> {
+/// Runs the whole benchmark on device `device`. `quick` shrinks it;
+/// `chunk_sizes` (bytes per chunk) replaces the swap-in table's sizes.
+pub fn run(device: i32, quick: bool, chunk_sizes: Option<&[usize]>) -> Result<Report> {
     let dev = Device::open(device)?;
     let _g = dev.bind()?;
     let stream = OwnedStream::new()?;
@@ -334,7 +335,7 @@ pub fn run(device: i32, quick: bool) -> Result<Report> {
     drop((host, dst));
 
     let mut swap = Vec::new();
-    let chunks: &[usize] = if quick { &[2048] } else { &[512, 2048, 8192, 32768] };
+    let chunks: &[usize] = chunk_sizes.unwrap_or(if quick { &[2048] } else { &[512, 2048, 8192, 32768] });
     for &chunk in chunks {
         for misses in [64usize, 512, 4096] {
             swap.push(swap_row(&dev, s, chunk, misses, bulk_gbps, rounds)?);

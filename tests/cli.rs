@@ -289,6 +289,19 @@ fn bench_refuses_conflicting_gpu_flags() {
     let (code, _, err) = kvswap(&["bench", "--multi-gpu", "--device", "1", "--quick"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--multi-gpu measures every GPU"), "{err}");
+    // --chunk-bytes sizes the CUDA swap-in table only; sizes are checked.
+    for args in [&["--scorer"][..], &["--multi-gpu"], &["--backend", "cpu"]] {
+        let mut a = vec!["bench", "--chunk-bytes", "2052", "--quick"];
+        a.extend_from_slice(args);
+        let (code, _, err) = kvswap(&a);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains("--chunk-bytes sizes the CUDA swap-in table"), "{args:?}: {err}");
+    }
+    for bad in ["0", "1048577", "2k", "2048,,4096"] {
+        let (code, _, err) = kvswap(&["bench", "--chunk-bytes", bad, "--quick"]);
+        assert_eq!(code, 2, "{bad}: {err}");
+        assert!(err.contains("--chunk-bytes"), "{bad}: {err}");
+    }
 }
 
 /// An unknown KVSWAP_LOG value leaves the default level, and says so once.

@@ -69,15 +69,17 @@ fn twins(rng: &mut Rng, specs: &[KvswapLayerSpec], slots: u32, sync: bool, store
 fn random_steps_match_cpu(sync: bool) {
     let mut rng = Rng::fresh(if sync { "gpu random sync" } else { "gpu random async" });
     let (slots, window) = (64u32, 5u32);
-    let caps = [1000u32, 3000, 48]; // the last one is fully resident
-    let chunks = [2048u32, 520, 64]; // 520: not 16-byte aligned
+    let caps = [1000u32, 3000, 48, 700, 500]; // the third one is fully resident
+    // The copy kernels' word sizes: 16 bytes (2048, 64), 8 (520), 4 (300)
+    // and 1 (2061: odd, and past one 2,048-byte piece).
+    let chunks = [2048u32, 520, 64, 300, 2061];
     let specs: Vec<_> = caps.iter().zip(chunks).map(|(&c, b)| spec(c, b)).collect();
     let cpu = Context::new(config(BackendChoice::Cpu, slots, sync), &specs).unwrap();
     let gpu = Context::new(config(BackendChoice::Cuda, slots, sync), &specs).unwrap();
     let (_dev, _g, [stream]) = gpu0();
     let mut hot = 0u32;
     for step in 0..scaled(10_000) {
-        let layer = rng.below(3) as usize;
+        let layer = rng.below(caps.len() as u64) as usize;
         let (cap, chunk) = (caps[layer], chunks[layer] as usize);
         if rng.below(40) == 0 {
             // Forget a random range (every 8th time every chunk) on the
@@ -867,7 +869,7 @@ fn waiting_calls_leave_a_global_capture_intact() {
 /// Memory of a virtual-memory allocator (PyTorch's `expandable_segments`,
 /// ggml's VMM pool): physical allocations mapped side by side into one
 /// reserved range, for which the driver reports each piece as its own
-/// allocation. An engine staging buffer and an index buffer across the seam
+/// allocation. An engine staging buffer and an index buffer across seams
 /// are accepted and staged as the CPU backend stages; buffers running into
 /// the reserved but unmapped rest are refused (`KVSWAP_STATUS_OUT_OF_RANGE`).
 #[test]
@@ -887,11 +889,11 @@ fn buffers_across_mapped_pieces_are_accepted() {
     let min = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
     ok(unsafe { sys::cuMemGetAllocationGranularity(&mut gran, &prop, min) }, "granularity");
     assert!(gran >= 64 * 1024, "granularity {gran}");
-    // Three pieces of address space, the first two mapped to two physical
-    // allocations; the third stays unmapped.
+    // Four pieces of address space, the first three mapped to three physical
+    // allocations; the fourth stays unmapped.
     let mut va = 0u64;
-    ok(unsafe { sys::cuMemAddressReserve(&mut va, 3 * gran, 0, 0, 0) }, "reserve");
-    let mut handles = [0u64; 2];
+    ok(unsafe { sys::cuMemAddressReserve(&mut va, 4 * gran, 0, 0, 0) }, "reserve");
+    let mut handles = [0u64; 3];
     for (i, h) in handles.iter_mut().enumerate() {
         ok(unsafe { sys::cuMemCreate(h, gran, &prop, 0) }, "create");
         ok(unsafe { sys::cuMemMap(va + (i * gran) as u64, gran, 0, *h, 0) }, "map");
@@ -899,10 +901,10 @@ fn buffers_across_mapped_pieces_are_accepted() {
     let mut access: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
     access.location = prop.location;
     access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    ok(unsafe { sys::cuMemSetAccess(va, 2 * gran, &access, 1) }, "access");
-    let seam = va + gran as u64;
+    ok(unsafe { sys::cuMemSetAccess(va, 3 * gran, &access, 1) }, "access");
+    let (seam, seam2) = (va + gran as u64, va + 2 * gran as u64);
 
-    let staging = seam - (slots as u64 / 2) * chunk as u64; // half the rows on each side
+    let staging = seam - (slots as u64 / 2) * chunk as u64; // half the rows on each side of the first seam
     let gpu_spec = KvswapLayerSpec { staging: staging as *mut std::ffi::c_void, ..spec(cap, chunk as u32) };
     let cpu = Context::new(config(BackendChoice::Cpu, slots, true), &[spec(cap, chunk as u32)]).unwrap();
     let gpu = Context::new(config(BackendChoice::Cuda, slots, true), &[gpu_spec]).unwrap();
@@ -914,7 +916,7 @@ fn buffers_across_mapped_pieces_are_accepted() {
     let mut sel: Vec<i32> = (0..window as i32).map(|i| -3 - i).collect();
     sel.extend(selection(&mut rng, cap, slots as usize, 7));
     let n_idx = sel.len();
-    let idx = seam - 8; // two entries before the seam, the rest after it
+    let idx = seam2 - 8; // two entries before the second seam, the rest after it
     unsafe { driver::copy_htod_async(idx, sel.as_ptr() as *const u8, 4 * n_idx, s.0).unwrap() };
     s.sync().unwrap();
     unsafe { gpu.swap_in_raw(0, idx, window, slots, s.0 as u64) }.expect("an index buffer across the seam");
@@ -928,22 +930,22 @@ fn buffers_across_mapped_pieces_are_accepted() {
         let slot = (p - window as i32) as u32;
         assert_eq!(cpu.slot_bytes(0, slot).unwrap(), gpu.slot_bytes(0, slot).unwrap(), "slot {slot} (staged across the seam)");
     }
-    // Into the unmapped third piece: refused, nothing staged or counted.
+    // Into the unmapped fourth piece: refused, nothing staged or counted.
     let before = gpu.stats(0).unwrap();
-    let tail = va + 2 * gran as u64 - 8;
+    let tail = va + 3 * gran as u64 - 8;
     let e = unsafe { gpu.swap_in_raw(0, tail, window, slots, s.0 as u64) }.unwrap_err();
     assert_eq!(e.status, kvswap::KvswapStatus::OutOfRange, "{e}");
     assert!(e.message.contains("runs past the end"), "{e}");
     assert_eq!(gpu.stats(0).unwrap(), before);
-    let far = KvswapLayerSpec { staging: (va + 2 * gran as u64 - chunk as u64) as *mut std::ffi::c_void, ..spec(cap, chunk as u32) };
+    let far = KvswapLayerSpec { staging: (va + 3 * gran as u64 - chunk as u64) as *mut std::ffi::c_void, ..spec(cap, chunk as u32) };
     let e = Context::new(config(BackendChoice::Cuda, slots, true), &[far]).err().expect("staging into unmapped memory");
     assert_eq!(e.status, kvswap::KvswapStatus::OutOfRange, "{e}");
     drop(gpu);
-    ok(unsafe { sys::cuMemUnmap(va, 2 * gran) }, "unmap");
+    ok(unsafe { sys::cuMemUnmap(va, 3 * gran) }, "unmap");
     for h in handles {
         ok(unsafe { sys::cuMemRelease(h) }, "release");
     }
-    ok(unsafe { sys::cuMemAddressFree(va, 3 * gran) }, "free");
+    ok(unsafe { sys::cuMemAddressFree(va, 4 * gran) }, "free");
 }
 
 /// Device memory given to the CPU backend (an engine that created its

@@ -68,9 +68,21 @@ struct BenchArgs {
     /// instead of the swap-in (CUDA only).
     #[arg(long)]
     scorer: bool,
+    /// Chunk sizes in bytes of the CUDA swap-in table, comma-separated (1 to
+    /// 1 MiB each) [default: 512,2048,8192,32768; --quick 2048].
+    #[arg(long, value_name = "BYTES,...", value_delimiter = ',', value_parser = chunk_bytes_arg)]
+    chunk_bytes: Vec<usize>,
     /// Also write the results as JSON to PATH.
     #[arg(long, value_name = "PATH")]
     json: Option<PathBuf>,
+}
+
+fn chunk_bytes_arg(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(v) if (1..=1 << 20).contains(&v) => Ok(v),
+        Ok(v) => Err(format!("{v} bytes: a chunk size must be 1 to 1048576 bytes")),
+        Err(_) => Err(format!("{s:?} is not a whole number of bytes")),
+    }
 }
 
 /// A list of layer classes, as given by `--layers 20x4,21x128`.
@@ -251,6 +263,9 @@ fn cmd_bench(a: BenchArgs) -> Result<(), Failure> {
     if a.multi_gpu && a.device != 0 {
         return Err(Failure::Usage(format!("--device {} picks one GPU: --multi-gpu measures every GPU", a.device)));
     }
+    if !a.chunk_bytes.is_empty() && (a.scorer || a.multi_gpu || backend == BackendChoice::Cpu) {
+        return Err(Failure::Usage("--chunk-bytes sizes the CUDA swap-in table: not with --scorer, --multi-gpu or --backend cpu".into()));
+    }
     #[cfg(not(feature = "cuda"))]
     if a.scorer || a.multi_gpu {
         return Err(Failure::Runtime(format!(
@@ -286,7 +301,8 @@ fn cmd_bench(a: BenchArgs) -> Result<(), Failure> {
     }
     #[cfg(feature = "cuda")]
     if backend != BackendChoice::Cpu {
-        match kvswap::gpubench::run(a.device, a.quick) {
+        let sizes = (!a.chunk_bytes.is_empty()).then_some(a.chunk_bytes.as_slice());
+        match kvswap::gpubench::run(a.device, a.quick, sizes) {
             Ok(r) => {
                 emit(&kvswap::gpubench::render(&r))?;
                 if let Some(path) = &a.json {
@@ -296,6 +312,9 @@ fn cmd_bench(a: BenchArgs) -> Result<(), Failure> {
                 return Ok(());
             }
             Err(e) if backend == BackendChoice::Auto && kvswap::backend::cuda_device_count().is_none() => {
+                if !a.chunk_bytes.is_empty() {
+                    return Err(Failure::Runtime(format!("--chunk-bytes sizes the CUDA swap-in table, and there is no CUDA device ({})", e.message)));
+                }
                 emit(&format!("note: no CUDA device ({}); measuring the CPU backend\n\n", e.message))?;
             }
             Err(e) => return Err(e.into()),
@@ -304,6 +323,9 @@ fn cmd_bench(a: BenchArgs) -> Result<(), Failure> {
     #[cfg(not(feature = "cuda"))]
     if backend == BackendChoice::Cuda {
         return Err(Failure::Runtime("this build has no CUDA backend (feature `cuda` off)".into()));
+    }
+    if !a.chunk_bytes.is_empty() {
+        return Err(Failure::Runtime("--chunk-bytes sizes the CUDA swap-in table, which this build does not have (feature `cuda` off)".into()));
     }
     let rows = kvswap::demo::cpu_swap_bench(a.quick)?;
     emit(&kvswap::demo::render_cpu_swap_bench(&rows))?;

@@ -244,7 +244,7 @@ impl CudaBackend {
             if l.dev.identity == 0 {
                 pieces = pieces.max(r.count as u64 * (l.plan.chunk_bytes as u64).div_ceil(2048));
             }
-            q.r[i] = MultiReq { indices: r.indices as u64, layer: l.plan.index as u32, window: r.window_len, count: r.count, vec: l.vec_ok(&[]) as u32 };
+            q.r[i] = MultiReq { indices: r.indices as u64, layer: l.plan.index as u32, window: r.window_len, count: r.count, vec: l.copy_width(&[]) };
         }
         let n = group.len() as u32;
         let mut tbl = table.ptr;
@@ -661,10 +661,13 @@ impl CudaLayer {
         Ok(layer)
     }
 
-    /// 16-byte vector copies are safe when every address and size is aligned.
-    fn vec_ok(&self, extra: &[u64]) -> bool {
+    /// The copy kernels' word size (kernels/swap.cu's `warp_copy`): the
+    /// largest of 16, 8 and 4 bytes that divides every address and size
+    /// (the layer's and `extra`), else 1.
+    fn copy_width(&self, extra: &[u64]) -> u32 {
         let d = &self.dev;
-        [d.chunk_bytes, d.stride, d.staging, d.host_tier].iter().chain(extra).all(|v| v % 16 == 0)
+        let all = [d.chunk_bytes, d.stride, d.staging, d.host_tier].into_iter().chain(extra.iter().copied()).fold(0u64, |a, v| a | v);
+        [16u32, 8, 4].into_iter().find(|&w| all % w as u64 == 0).unwrap_or(1)
     }
 
     /// Checks the engine's stream on every call (never the legacy one; of
@@ -793,7 +796,7 @@ impl CudaLayer {
 
     /// Launches the store kernel for distinct `(id, row)` pairs.
     fn launch_store(&mut self, pairs: &[(u32, u32)], src: u64, src_stride: u64, s: CUstream) -> Result<()> {
-        let vec = self.vec_ok(&[src, src_stride]) as u32;
+        let vec = self.copy_width(&[src, src_stride]);
         let pieces = (self.plan.chunk_bytes as u64).div_ceil(2048);
         for batch in pairs.chunks(STORE_MAX) {
             let mut ids = StoreIds { n: batch.len() as u32, ids: [0; STORE_MAX], rows: [0; STORE_MAX] };
@@ -837,7 +840,7 @@ impl CudaLayer {
         if self.dev.identity == 0 && count > 0 {
             let pieces = (self.plan.chunk_bytes as u64).div_ceil(2048);
             let grid = (count as u64 * pieces).div_ceil(8).clamp(1, self.sh.device.sm_count as u64 * 16) as u32;
-            let mut vec = self.vec_ok(&[]) as u32;
+            let mut vec = self.copy_width(&[]);
             let mut params = kernel_params![d, vec];
             // The residency kernel is queued and will map the misses to
             // slots: without the gather those slots would hold stale bytes.
