@@ -469,6 +469,39 @@ pub fn pointer_info(p: u64) -> Result<Option<PtrInfo>> {
     Ok(Some(PtrInfo { memory_type: mem_type, device_ordinal: ordinal, range_start: start, range_size: size as u64 }))
 }
 
+/// The mapped memory that starts at `p` and that the current context's
+/// device may read and write (a virtual-memory allocator's next piece:
+/// `cuMemMap`ped, `cuMemSetAccess` read-write): its pointer attributes.
+/// None where nothing is mapped at `p` (a reserved but unmapped address
+/// still reports a memory type and a range: MAPPED tells), where the
+/// device has no read-write access, or where the driver cannot say.
+pub fn mapped_piece(p: u64) -> Option<PtrInfo> {
+    use sys::CUpointer_attribute::*;
+    let (mut mem_type, mut ordinal, mut start, mut size, mut mapped, mut access) = (0u32, -1i32, 0u64, 0usize, 0u32, 0u32);
+    let mut attrs = [
+        CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        CU_POINTER_ATTRIBUTE_MAPPED,
+        CU_POINTER_ATTRIBUTE_ACCESS_FLAGS,
+    ];
+    let mut data: [*mut c_void; 6] = [
+        &mut mem_type as *mut u32 as *mut c_void,
+        &mut ordinal as *mut i32 as *mut c_void,
+        &mut start as *mut u64 as *mut c_void,
+        &mut size as *mut usize as *mut c_void,
+        &mut mapped as *mut u32 as *mut c_void,
+        &mut access as *mut u32 as *mut c_void,
+    ];
+    // SAFETY: each data slot points to storage of the attribute's type (the
+    // MAPPED boolean and the access flags are 32-bit).
+    let r = unsafe { sys::cuPointerGetAttributes(6, attrs.as_mut_ptr(), data.as_mut_ptr(), p) };
+    const READWRITE: u32 = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u32;
+    (r == sys::CUresult::CUDA_SUCCESS && mem_type != 0 && mapped != 0 && access == READWRITE && start == p && size > 0)
+        .then_some(PtrInfo { memory_type: mem_type, device_ordinal: ordinal, range_start: start, range_size: size as u64 })
+}
+
 /// Whether `p` is device memory the CPU cannot read: device memory that is
 /// not managed (managed and pinned host memory are readable). False for
 /// memory the driver does not know (pageable host memory) and when it

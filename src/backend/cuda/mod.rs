@@ -451,9 +451,10 @@ pub(crate) fn check_stream_device(device: &Device, s: CUstream) -> Result<()> {
 /// address. Virtual-memory allocators (PyTorch's `expandable_segments`,
 /// ggml's VMM pool) map several physical allocations side by side into one
 /// buffer, so a buffer may continue past that range: the check then walks
-/// on, range by range, while each next one starts where the last ended and
-/// is memory of the same kind and device (at most `MAX_PIECES` of them).
-/// A buffer running into unmapped or other memory is refused.
+/// on, range by range, while each next one starts where the last ended, is
+/// mapped and read-write for this device, and is memory of the same kind
+/// and device (at most `MAX_PIECES` of them). A buffer running into
+/// unmapped or other memory is refused.
 pub(crate) fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &str) -> Result<(u64, u64)> {
     const HOST: u32 = 1;
     const MAX_PIECES: usize = 1 << 16;
@@ -477,9 +478,10 @@ pub(crate) fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &s
     let end = ptr.checked_add(bytes).ok_or_else(|| past_end(range_end))?;
     let mut pieces = 1;
     while end > range_end {
-        // An address the driver does not describe (unmapped) ends the walk.
-        let next = match driver::pointer_info(range_end) {
-            Ok(Some(n)) if n.range_start == range_end && n.range_size > 0 && n.memory_type == info.memory_type && n.device_ordinal == info.device_ordinal => n,
+        // Memory not mapped there, not read-write for this device, or of
+        // another kind or device ends the walk.
+        let next = match driver::mapped_piece(range_end) {
+            Some(n) if n.memory_type == info.memory_type && n.device_ordinal == info.device_ordinal => n,
             _ => return Err(past_end(range_end)),
         };
         pieces += 1;
