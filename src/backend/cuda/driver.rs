@@ -469,15 +469,25 @@ pub fn pointer_info(p: u64) -> Result<Option<PtrInfo>> {
     Ok(Some(PtrInfo { memory_type: mem_type, device_ordinal: ordinal, range_start: start, range_size: size as u64 }))
 }
 
-/// The mapped memory that starts at `p` and that the current context's
-/// device may read and write (a virtual-memory allocator's next piece:
-/// `cuMemMap`ped, `cuMemSetAccess` read-write): its pointer attributes.
-/// None where nothing is mapped at `p` (a reserved but unmapped address
-/// still reports a memory type and a range: MAPPED tells), where the
-/// device has no read-write access, or where the driver cannot say.
-pub fn mapped_piece(p: u64) -> Option<PtrInfo> {
+/// What the driver says of the memory at `p` beyond [`pointer_info`]: the
+/// range it reports (for a virtual-memory allocator's memory, the whole
+/// reserved address range, mapped or not) and the one physical mapping
+/// that holds `p` (`MAPPING_BASE_ADDR`, `MAPPING_SIZE`), whether `p` is
+/// mapped, and whether the current context's device may read and write it.
+/// None where the driver cannot say.
+pub struct Mapping {
+    pub info: PtrInfo,
+    pub mapped: bool,
+    pub read_write: bool,
+    pub mapping_base: u64,
+    pub mapping_size: u64,
+}
+
+pub fn mapping(p: u64) -> Option<Mapping> {
     use sys::CUpointer_attribute::*;
-    let (mut mem_type, mut ordinal, mut start, mut size, mut mapped, mut access) = (0u32, -1i32, 0u64, 0usize, 0u32, 0u32);
+    // 64-bit slots for the flags: the driver writes at most that much.
+    let (mut mem_type, mut ordinal, mut start, mut size) = (0u32, -1i32, 0u64, 0usize);
+    let (mut mapped, mut access, mut base, mut msize) = (0u64, 0u64, 0u64, 0usize);
     let mut attrs = [
         CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
         CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
@@ -485,21 +495,30 @@ pub fn mapped_piece(p: u64) -> Option<PtrInfo> {
         CU_POINTER_ATTRIBUTE_RANGE_SIZE,
         CU_POINTER_ATTRIBUTE_MAPPED,
         CU_POINTER_ATTRIBUTE_ACCESS_FLAGS,
+        CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR,
+        CU_POINTER_ATTRIBUTE_MAPPING_SIZE,
     ];
-    let mut data: [*mut c_void; 6] = [
+    let mut data: [*mut c_void; 8] = [
         &mut mem_type as *mut u32 as *mut c_void,
         &mut ordinal as *mut i32 as *mut c_void,
         &mut start as *mut u64 as *mut c_void,
         &mut size as *mut usize as *mut c_void,
-        &mut mapped as *mut u32 as *mut c_void,
-        &mut access as *mut u32 as *mut c_void,
+        &mut mapped as *mut u64 as *mut c_void,
+        &mut access as *mut u64 as *mut c_void,
+        &mut base as *mut u64 as *mut c_void,
+        &mut msize as *mut usize as *mut c_void,
     ];
-    // SAFETY: each data slot points to storage of the attribute's type (the
-    // MAPPED boolean and the access flags are 32-bit).
-    let r = unsafe { sys::cuPointerGetAttributes(6, attrs.as_mut_ptr(), data.as_mut_ptr(), p) };
-    const READWRITE: u32 = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u32;
-    (r == sys::CUresult::CUDA_SUCCESS && mem_type != 0 && mapped != 0 && access == READWRITE && start == p && size > 0)
-        .then_some(PtrInfo { memory_type: mem_type, device_ordinal: ordinal, range_start: start, range_size: size as u64 })
+    // SAFETY: each data slot points to storage at least as large as the
+    // attribute's type.
+    let r = unsafe { sys::cuPointerGetAttributes(8, attrs.as_mut_ptr(), data.as_mut_ptr(), p) };
+    const READWRITE: u64 = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64;
+    (r == sys::CUresult::CUDA_SUCCESS && mem_type != 0).then_some(Mapping {
+        info: PtrInfo { memory_type: mem_type, device_ordinal: ordinal, range_start: start, range_size: size as u64 },
+        mapped: mapped & 0xff != 0,
+        read_write: access & 0xffff_ffff == READWRITE,
+        mapping_base: base,
+        mapping_size: msize as u64,
+    })
 }
 
 /// Whether `p` is device memory the CPU cannot read: device memory that is

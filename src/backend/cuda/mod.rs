@@ -447,14 +447,15 @@ pub(crate) fn check_stream_device(device: &Device, s: CUstream) -> Result<()> {
 /// host memory the device can address); returns the range of the memory
 /// that holds it.
 ///
-/// The driver reports the range of the one allocation that holds an
-/// address. Virtual-memory allocators (PyTorch's `expandable_segments`,
-/// ggml's VMM pool) map several physical allocations side by side into one
-/// buffer, so a buffer may continue past that range: the check then walks
-/// on, range by range, while each next one starts where the last ended, is
-/// mapped and read-write for this device, and is memory of the same kind
-/// and device (at most `MAX_PIECES` of them). A buffer running into
-/// unmapped or other memory is refused.
+/// The driver's range of an ordinary allocation is that allocation. For a
+/// virtual-memory allocator's memory (PyTorch's `expandable_segments`,
+/// ggml's VMM pool: physical allocations `cuMemMap`ped side by side into one
+/// reserved range) it is the whole reservation, mapped or not, so the
+/// check then holds to the physical mapping that contains `ptr` and walks
+/// on, mapping by mapping, while the next one starts where the last ended,
+/// lies in the same reservation, is mapped read-write for this device, and
+/// is memory of the same kind and device (at most `MAX_PIECES`). A buffer
+/// running into unmapped or other memory is refused.
 pub(crate) fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &str) -> Result<(u64, u64)> {
     const HOST: u32 = 1;
     const MAX_PIECES: usize = 1 << 16;
@@ -467,30 +468,53 @@ pub(crate) fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &s
             format!("{what} ({ptr:#x}) is memory of device {}, but this kvswap object is bound to device {}", info.device_ordinal, device.ordinal),
         ));
     }
-    let past_end = |range_end: u64| {
+    let range_end = info.range_start + info.range_size;
+    // The end of the memory known to be there: the range, cut to the
+    // physical mapping that holds `at` where the driver names one inside it.
+    let held_to = |at: u64| {
+        driver::mapping(at).map_or(range_end, |m| {
+            let mapping_end = m.mapping_base.saturating_add(m.mapping_size);
+            if m.mapping_size > 0 && m.mapping_base <= at && mapping_end > at { mapping_end.min(range_end) } else { range_end }
+        })
+    };
+    let past_end = |limit: u64| {
         Error::out_of_range(format!(
             "{what} ({ptr:#x}, {bytes} bytes) runs past the end of its allocation ({} bytes from {:#x})",
-            range_end - info.range_start,
+            limit - info.range_start,
             info.range_start
         ))
     };
-    let mut range_end = info.range_start + info.range_size;
     let end = ptr.checked_add(bytes).ok_or_else(|| past_end(range_end))?;
+    if end <= info.range_start + info.range_size && info.memory_type == HOST {
+        return Ok((info.range_start, range_end)); // pinned host memory: one allocation
+    }
+    let mut limit = held_to(ptr);
     let mut pieces = 1;
-    while end > range_end {
-        // Memory not mapped there, not read-write for this device, or of
-        // another kind or device ends the walk.
-        let next = match driver::mapped_piece(range_end) {
-            Some(n) if n.memory_type == info.memory_type && n.device_ordinal == info.device_ordinal => n,
-            _ => return Err(past_end(range_end)),
+    while end > limit {
+        // The next physical mapping of the same reservation, starting at
+        // `limit`, mapped read-write for this device; anything else ends
+        // the walk.
+        let next = match driver::mapping(limit) {
+            Some(m)
+                if m.mapped
+                    && m.read_write
+                    && m.mapping_base == limit
+                    && m.mapping_size > 0
+                    && m.info.range_start == info.range_start
+                    && m.info.memory_type == info.memory_type
+                    && m.info.device_ordinal == info.device_ordinal =>
+            {
+                m
+            }
+            _ => return Err(past_end(limit)),
         };
         pieces += 1;
         if pieces > MAX_PIECES {
-            return Err(past_end(range_end));
+            return Err(past_end(limit));
         }
-        range_end = next.range_start + next.range_size;
+        limit = (next.mapping_base + next.mapping_size).min(range_end);
     }
-    Ok((info.range_start, range_end))
+    Ok((info.range_start, limit.max(end)))
 }
 
 /// Offsets (in 4-byte words) of a layer's metadata arrays in one allocation.
