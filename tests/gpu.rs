@@ -794,6 +794,22 @@ fn eager_and_captured_calls_on_two_streams_are_ordered() {
     assert_eq!(cpu.stats(0).unwrap(), gpu.stats(0).unwrap(), "stats");
 }
 
+/// After a swap-in of layer 0 with `sel` (host copy) in the device index
+/// buffer `idx` on `s`: the buffer holds the physical ids the CPU backend
+/// gives `sel`, and every selected slot the CPU's bytes.
+fn staged_as_on_cpu(cpu: &Context, gpu: &Context, sel: &[i32], idx: u64, window: u32, s: &OwnedStream, what: &str) {
+    let mut got = vec![0i32; sel.len()];
+    unsafe { driver::copy_dtoh_async(got.as_mut_ptr() as *mut u8, idx, 4 * sel.len(), s.0).unwrap() };
+    s.sync().unwrap();
+    let mut expect = sel.to_vec();
+    cpu.swap_in(0, &mut expect, window).unwrap();
+    assert_eq!(got, expect, "{what}: physical ids");
+    for &p in expect[window as usize..].iter().filter(|&&p| p >= 0) {
+        let slot = (p - window as i32) as u32;
+        assert_eq!(cpu.slot_bytes(0, slot).unwrap(), gpu.slot_bytes(0, slot).unwrap(), "{what}: slot {slot}");
+    }
+}
+
 /// kvswap's waiting calls made while another stream is captured in global
 /// mode (an engine's `torch.cuda.graph`, say), by the capturing thread and
 /// by another thread: stats (taking and peeking), the layer, stream and
@@ -849,16 +865,7 @@ fn waiting_calls_leave_a_global_capture_intact() {
     .expect("the capture outlives the waiting calls beside it");
     graph.launch(a.0).unwrap();
     a.sync().unwrap();
-    let mut got = vec![0i32; n_idx];
-    unsafe { driver::copy_dtoh_async(got.as_mut_ptr() as *mut u8, idx.ptr, 4 * n_idx, a.0).unwrap() };
-    a.sync().unwrap();
-    let mut expect = sel.clone();
-    cpu.swap_in(0, &mut expect, window).unwrap();
-    assert_eq!(got, expect, "the replay's physical ids");
-    for &p in expect[window as usize..].iter().filter(|&&p| p >= 0) {
-        let slot = (p - window as i32) as u32;
-        assert_eq!(cpu.slot_bytes(0, slot).unwrap(), gpu.slot_bytes(0, slot).unwrap(), "slot {slot}");
-    }
+    staged_as_on_cpu(&cpu, &gpu, &sel, idx.ptr, window, &a, "the replay");
     gpu.sync().unwrap();
     assert_eq!(cpu.stats(0).unwrap(), gpu.stats(0).unwrap(), "stats");
     // Graph::capture itself refuses a body that waits on the host.
@@ -920,16 +927,7 @@ fn buffers_across_mapped_pieces_are_accepted() {
     unsafe { driver::copy_htod_async(idx, sel.as_ptr() as *const u8, 4 * n_idx, s.0).unwrap() };
     s.sync().unwrap();
     unsafe { gpu.swap_in_raw(0, idx, window, slots, s.0 as u64) }.expect("an index buffer across the seam");
-    let mut got = vec![0i32; n_idx];
-    unsafe { driver::copy_dtoh_async(got.as_mut_ptr() as *mut u8, idx, 4 * n_idx, s.0).unwrap() };
-    s.sync().unwrap();
-    let mut expect = sel.clone();
-    cpu.swap_in(0, &mut expect, window).unwrap();
-    assert_eq!(got, expect, "physical ids");
-    for &p in expect[window as usize..].iter().filter(|&&p| p >= 0) {
-        let slot = (p - window as i32) as u32;
-        assert_eq!(cpu.slot_bytes(0, slot).unwrap(), gpu.slot_bytes(0, slot).unwrap(), "slot {slot} (staged across the seam)");
-    }
+    staged_as_on_cpu(&cpu, &gpu, &sel, idx, window, &s, "across the seams");
     // Into the unmapped fourth piece: refused, nothing staged or counted.
     let before = gpu.stats(0).unwrap();
     let tail = va + 3 * gran as u64 - 8;

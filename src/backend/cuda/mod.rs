@@ -644,11 +644,11 @@ impl CudaLayer {
             pad: 0,
         };
         // Reads back: slot -> chunk (swapping layers), the stored bits, the
-        // counters and error record, or one staged row.
+        // counters and error record (a staged row is read without it: a
+        // buffer of chunk_bytes per layer would pin that much more).
         let words = (meta.lru - meta.slot_chunk).max(meta.selected - meta.stored).max(64);
-        let readback_bytes = (4 * words).max(p.chunk_bytes);
         let layer = CudaLayer {
-            readback: PinnedBuffer::alloc(readback_bytes)?,
+            readback: PinnedBuffer::alloc(4 * words)?,
             done: Event::new(false)?,
             sh,
             plan: *p,
@@ -1067,7 +1067,11 @@ impl LayerOps for CudaLayer {
         self.wait()?;
         let s = self.sh.internal.0;
         let src = self.dev.staging + slot as u64 * self.dev.stride;
-        self.read_device(src, self.plan.chunk_bytes, s)
+        let mut row = vec![0u8; self.plan.chunk_bytes];
+        // SAFETY: `row` holds chunk_bytes and outlives the copy (synced below).
+        unsafe { driver::copy_dtoh_async(row.as_mut_ptr(), src, row.len(), s)? };
+        driver::stream_sync(s)?;
+        Ok(row)
     }
 
     fn store_host(&mut self, ids: &[u32], rows: &[u8]) -> Result<()> {
