@@ -199,9 +199,10 @@ typedef struct KvswapLayerSpec {
 // `cudaStreamCaptureModeGlobal` (`torch.cuda.graph`'s default): kvswap
 // makes its own waits, allocations and frees in relaxed capture mode
 // (`cuThreadExchangeStreamCaptureMode`, as PyTorch's allocator does), so
-// they do not invalidate that capture. They only ever wait for kvswap's
-// own work; a wait on the stream being captured is refused instead
-// (`KVSWAP_STATUS_INVALID_ARGUMENT`, see each call).
+// they do not invalidate that capture. Some wait for the stream they are
+// given (`kvswap_sync`, `fm_scorer_sync`, `fm_bounds_sync`, `KVSWAP_SYNC=1`
+// calls, a scorer call that allocates), never for a stream being captured:
+// such a call is refused (`KVSWAP_STATUS_INVALID_ARGUMENT`, see each call).
 typedef void *KvswapStream;
 
 // One layer's swap-in in a `kvswap_swap_in_layers` call: the arguments of
@@ -439,7 +440,8 @@ enum KvswapStatus kvswap_create(const struct KvswapConfig *config,
 
 // Frees a context and everything it allocated. NULL is a no-op. The engine
 // must make sure no other thread uses `ctx` during or after this call, and
-// that no device work using it is still pending.
+// that no device work using it is still pending; CUDA graphs that captured
+// calls on it must not be launched afterwards (they name its memory).
 void kvswap_destroy(struct KvswapContext *ctx);
 
 // Stores the chunk `logical_id` of `layer` from `src` (`chunk_bytes` bytes:
@@ -1101,7 +1103,8 @@ enum KvswapStatus fm_bounds_reserve(int32_t device, size_t n_chunks, KvswapStrea
 // errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `keys`, its data or fp8
 // scales, `out_min`, `out_max`); `KVSWAP_STATUS_INVALID_ARGUMENT` for
 // `n_tokens` or `chunk_tokens` 0, `dim` outside 1..=FM_MAX_BOUNDS_DIM, a
-// misaligned pointer, a bad dtype or stride, or outputs that overlap;
+// misaligned pointer, a bad dtype or stride, outputs that overlap, or
+// device memory the CUDA driver identifies (it reads host memory);
 // `KVSWAP_STATUS_OUT_OF_RANGE` for more than FM_MAX_CHUNKS chunks;
 // `KVSWAP_STATUS_OUT_OF_MEMORY` when the host cannot hold the bounds.
 // Nothing is written on failure.

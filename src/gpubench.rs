@@ -365,7 +365,7 @@ pub fn render(r: &Report) -> String {
     for t in &r.steps {
         s += &format!("{:<36} {:>6} {:>8} {:>7.1}% {:>12.1} {:>13.1}\n", t.name, t.layers, t.selected, 100.0 * t.hit_rate, t.sync_us, t.async_us);
     }
-    s += "\nasync_us: device time per step from CUDA-graph replay (the capture counts host waits: none), \
+    s += "\nasync_us: device time per step from CUDA-graph replay (the capture counts kvswap's host waits and allocations: none), \
           minus the graph that only restores index buffers; sync_us: wall time per call with KVSWAP_SYNC=1.\n";
     s
 }

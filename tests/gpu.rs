@@ -1441,10 +1441,11 @@ fn driver_reports_what_the_range_check_relies_on() {
     let ok = |r: sys::CUresult, what: &str| assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{what}");
     let small = DeviceBuffer::alloc(100, "small").unwrap();
     let m = show("cuMemAlloc 100 B", small.ptr).expect("described");
-    assert_eq!((m.info.range_start, m.info.range_size, m.mapped), (small.ptr, 100, true));
+    assert_eq!((m.info.range_start, m.info.range_size, m.mapped, m.read_write), (small.ptr, 100, true, true));
+    assert!(m.mapping_base <= small.ptr && m.mapping_base + m.mapping_size >= small.ptr + 100, "its mapping holds it");
     let large = DeviceBuffer::alloc(64 << 20, "large").unwrap();
     let m = show("cuMemAlloc 64 MiB, at +40 MiB", large.ptr + (40 << 20)).expect("described");
-    assert_eq!((m.info.range_start, m.info.range_size, m.mapped), (large.ptr, 64 << 20, true));
+    assert_eq!((m.info.range_start, m.info.range_size, m.mapped, m.read_write), (large.ptr, 64 << 20, true, true));
     let mut managed = 0u64;
     ok(unsafe { sys::cuMemAllocManaged(&mut managed, 1 << 20, 1) }, "managed");
     let m = show("cuMemAllocManaged", managed).expect("described");
@@ -1454,6 +1455,7 @@ fn driver_reports_what_the_range_check_relies_on() {
     s.sync().unwrap();
     let m = show("cuMemAllocAsync 3 MiB, +2.5", pooled + (5 << 19)).expect("described");
     assert_eq!((m.info.range_start, m.info.range_size), (pooled, 3 << 20), "a pool allocation's range is the allocation");
+    assert!(m.mapped && m.read_write && m.mapping_base <= pooled && m.mapping_base + m.mapping_size >= pooled + (3 << 20), "mapped, in one mapping");
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;

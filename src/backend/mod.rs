@@ -17,10 +17,13 @@ pub type StreamHandle = u64;
 /// CPU reading device memory is a crash, not an error. Needs a CUDA build
 /// and a CUDA driver on the machine (the check asks the driver about
 /// `ptr`); without them nothing is checked (nor could device memory exist).
+/// It never initialises CUDA (`cuInit` is slow on large hosts, and a process
+/// that forks GPU workers must not have run it): in a process where nothing
+/// has, the driver answers "not initialised", and no device memory exists.
 /// `what` names the argument.
 pub(crate) fn refuse_device_memory(ptr: u64, what: &str) -> Result<()> {
     #[cfg(feature = "cuda")]
-    if ptr != 0 && cuda::driver::init().is_ok() && cuda::driver::is_device_only(ptr) {
+    if ptr != 0 && cuda::driver::culib_present() && cuda::driver::is_device_only(ptr) {
         return Err(Error::invalid(format!(
             "{what} ({ptr:#x}) is CUDA device memory, but this is the CPU backend, which reads host memory: \
              create the context or scorer on the CUDA backend (KVSWAP_BACKEND=cuda, or a device >= 0)"

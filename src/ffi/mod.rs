@@ -53,9 +53,10 @@ pub use scorer::*;
 /// `cudaStreamCaptureModeGlobal` (`torch.cuda.graph`'s default): kvswap
 /// makes its own waits, allocations and frees in relaxed capture mode
 /// (`cuThreadExchangeStreamCaptureMode`, as PyTorch's allocator does), so
-/// they do not invalidate that capture. They only ever wait for kvswap's
-/// own work; a wait on the stream being captured is refused instead
-/// (`KVSWAP_STATUS_INVALID_ARGUMENT`, see each call).
+/// they do not invalidate that capture. Some wait for the stream they are
+/// given (`kvswap_sync`, `fm_scorer_sync`, `fm_bounds_sync`, `KVSWAP_SYNC=1`
+/// calls, a scorer call that allocates), never for a stream being captured:
+/// such a call is refused (`KVSWAP_STATUS_INVALID_ARGUMENT`, see each call).
 pub type KvswapStream = *mut c_void;
 
 /// Opaque handle to a kvswap context. Create with `kvswap_create`, free with
@@ -242,7 +243,8 @@ pub extern "C" fn kvswap_create(
 
 /// Frees a context and everything it allocated. NULL is a no-op. The engine
 /// must make sure no other thread uses `ctx` during or after this call, and
-/// that no device work using it is still pending.
+/// that no device work using it is still pending; CUDA graphs that captured
+/// calls on it must not be launched afterwards (they name its memory).
 #[no_mangle]
 pub extern "C" fn kvswap_destroy(ctx: *mut KvswapContext) {
     boundary("kvswap_destroy", || {

@@ -635,7 +635,8 @@ pub extern "C" fn fm_bounds_reserve(device: i32, n_chunks: usize, stream: Kvswap
 /// errors: `KVSWAP_STATUS_NULL_POINTER` (NULL `keys`, its data or fp8
 /// scales, `out_min`, `out_max`); `KVSWAP_STATUS_INVALID_ARGUMENT` for
 /// `n_tokens` or `chunk_tokens` 0, `dim` outside 1..=FM_MAX_BOUNDS_DIM, a
-/// misaligned pointer, a bad dtype or stride, or outputs that overlap;
+/// misaligned pointer, a bad dtype or stride, outputs that overlap, or
+/// device memory the CUDA driver identifies (it reads host memory);
 /// `KVSWAP_STATUS_OUT_OF_RANGE` for more than FM_MAX_CHUNKS chunks;
 /// `KVSWAP_STATUS_OUT_OF_MEMORY` when the host cannot hold the bounds.
 /// Nothing is written on failure.
@@ -669,6 +670,9 @@ pub extern "C" fn fm_bounds_build(
             return Err(Error::invalid(format!(
                 "out_min ({a:#x}) and out_max ({b:#x}) overlap: each holds {chunks} x {dim} f32 ({bytes} bytes)"
             )));
+        }
+        for (ptr, name) in [(k.data, "keys->data"), (k.scales, "keys->scales"), (out_min as u64, "out_min"), (out_max as u64, "out_max")] {
+            crate::backend::refuse_device_memory(ptr, name)?;
         }
         let (min, max) = {
             // SAFETY: checked above; the engine promises `n_tokens` readable

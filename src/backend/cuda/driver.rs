@@ -120,6 +120,14 @@ pub fn driver_version() -> i32 {
     })
 }
 
+/// Whether libcuda can be loaded (probed once per process; loading it
+/// initialises nothing).
+pub fn culib_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: only probes whether the library can be opened.
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+}
+
 /// Loads libcuda and runs cuInit once per process; NO_DEVICE when absent.
 pub fn init() -> Result<()> {
     static INIT: OnceLock<Result<()>> = OnceLock::new();
@@ -156,6 +164,7 @@ pub struct RelaxedCapture(Option<sys::CUstreamCaptureMode>);
 
 impl RelaxedCapture {
     pub fn enter() -> RelaxedCapture {
+        RELAXED_CALLS.with(|w| w.set(w.get() + 1));
         let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         // SAFETY: in/out-pointer is a local; the driver is loaded (callers
         // hold a CUDA object).
@@ -175,19 +184,18 @@ impl Drop for RelaxedCapture {
 }
 
 thread_local! {
-    /// Host waits (`stream_sync`, `Event::sync`) made by this thread, which
+    /// Calls this thread made in relaxed mode (waits, allocations, frees,
+    /// module loads, pageable copies: every [`RelaxedCapture`]), which
     /// [`Graph::capture`] compares around its body: relaxed mode no longer
-    /// makes a wait inside a capture fail, so the count proves there was none.
-    static HOST_WAITS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// makes such a call inside a capture fail, so the count proves there
+    /// was none.
+    static RELAXED_CALLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
-/// Host waits made by the calling thread so far (tests and benchmarks).
-pub fn host_waits() -> u64 {
-    HOST_WAITS.with(|w| w.get())
-}
-
-fn count_host_wait() {
-    HOST_WAITS.with(|w| w.set(w.get() + 1));
+/// Calls the calling thread made in relaxed capture mode so far (waits,
+/// allocations, frees, loads, pageable copies; tests and benchmarks).
+pub fn relaxed_calls() -> u64 {
+    RELAXED_CALLS.with(|w| w.get())
 }
 
 pub fn device_count() -> Result<i32> {
@@ -391,9 +399,8 @@ impl Drop for OwnedStream {
 }
 
 /// Waits for `s` (never one being captured: callers check first). Relaxed
-/// capture mode (see [`RelaxedCapture`]); counted in [`host_waits`].
+/// capture mode (see [`RelaxedCapture`]).
 pub fn stream_sync(s: CUstream) -> Result<()> {
-    count_host_wait();
     let _relaxed = RelaxedCapture::enter();
     // SAFETY: the caller passes a live stream handle.
     check(unsafe { sys::cuStreamSynchronize(s) }, "cuStreamSynchronize")
@@ -524,7 +531,8 @@ pub fn mapping(p: u64) -> Option<Mapping> {
 /// Whether `p` is device memory the CPU cannot read: device memory that is
 /// not managed (managed and pinned host memory are readable). False for
 /// memory the driver does not know (pageable host memory) and when it
-/// cannot tell.
+/// cannot tell (also before anything in the process ran `cuInit`: then no
+/// device memory exists). Needs libcuda loadable ([`culib_present`]).
 pub fn is_device_only(p: u64) -> bool {
     use sys::CUpointer_attribute::*;
     let mut mem_type: u32 = 0;
@@ -558,9 +566,8 @@ impl Event {
         check(unsafe { sys::cuEventRecord(self.0, s) }, "cuEventRecord")
     }
     /// Waits for the event's last record (always an eager one: captured
-    /// calls record none). Relaxed capture mode; counted in [`host_waits`].
+    /// calls record none). Relaxed capture mode.
     pub fn sync(&self) -> Result<()> {
-        count_host_wait();
         let _relaxed = RelaxedCapture::enter();
         // SAFETY: live event.
         check(unsafe { sys::cuEventSynchronize(self.0) }, "cuEventSynchronize")
@@ -820,23 +827,26 @@ unsafe impl Sync for Graph {}
 impl Graph {
     /// Captures what `body` enqueues on `s` (global mode: a legacy-stream
     /// use or an unsafe call outside kvswap's relaxed sections makes the
-    /// capture fail) and instantiates it. A host wait by this thread inside
-    /// `body` is an error too ([`host_waits`]: kvswap's own waits run in
-    /// relaxed mode, which global mode no longer catches). The capture is
-    /// ended on every path; `body`'s error comes first.
+    /// capture fail) and instantiates it. A call of kvswap's relaxed
+    /// sections by this thread inside `body` (a wait, an allocation, a free,
+    /// a module load, a pageable copy: [`relaxed_calls`]) is an error too,
+    /// since relaxed mode no longer makes it fail. The capture is ended on
+    /// every path; `body`'s error comes first.
     pub fn capture(s: CUstream, body: impl FnOnce() -> Result<()>) -> Result<Graph> {
         Graph::capture_allowing_waits(s, || {
-            let waits = host_waits();
+            let before = relaxed_calls();
             body()?;
-            match host_waits() - waits {
+            match relaxed_calls() - before {
                 0 => Ok(()),
-                n => Err(Error::device(format!("{n} host wait(s) inside a capture: a captured call must not wait for the device"))),
+                n => Err(Error::device(format!(
+                    "{n} host wait(s), allocation(s) or other call(s) that a capture refuses, made inside a capture: a captured call must make none"
+                ))),
             }
         })
     }
 
-    /// [`Graph::capture`] without the host-wait count: for tests of kvswap's
-    /// waiting calls made beside a global-mode capture.
+    /// [`Graph::capture`] without the relaxed-call count: for tests of
+    /// kvswap's waiting calls made beside a global-mode capture.
     pub fn capture_allowing_waits(s: CUstream, body: impl FnOnce() -> Result<()>) -> Result<Graph> {
         // SAFETY: s is a live stream; the capture is ended below on every path.
         check(unsafe { sys::cuStreamBeginCapture_v2(s, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL) }, "cuStreamBeginCapture")?;

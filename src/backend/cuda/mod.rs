@@ -471,11 +471,13 @@ pub(crate) fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &s
     let range_end = info.range_start + info.range_size;
     // The end of the memory known to be there: the range, cut to the
     // physical mapping that holds `at` where the driver names one inside it.
-    let held_to = |at: u64| {
-        driver::mapping(at).map_or(range_end, |m| {
-            let mapping_end = m.mapping_base.saturating_add(m.mapping_size);
-            if m.mapping_size > 0 && m.mapping_base <= at && mapping_end > at { mapping_end.min(range_end) } else { range_end }
-        })
+    // Fails closed: where the driver described `at` a moment ago but not
+    // its mapping, nothing bounds a virtual-memory buffer but the whole
+    // reservation, so the call is refused rather than trusted.
+    let held_to = |at: u64| -> Result<u64> {
+        let m = driver::mapping(at).ok_or_else(|| Error::device(format!("{what} ({ptr:#x}): the driver did not describe its mapping")))?;
+        let mapping_end = m.mapping_base.saturating_add(m.mapping_size);
+        Ok(if m.mapping_size > 0 && m.mapping_base <= at && mapping_end > at { mapping_end.min(range_end) } else { range_end })
     };
     let past_end = |limit: u64| {
         Error::out_of_range(format!(
@@ -488,7 +490,7 @@ pub(crate) fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &s
     if end <= info.range_start + info.range_size && info.memory_type == HOST {
         return Ok((info.range_start, range_end)); // pinned host memory: one allocation
     }
-    let mut limit = held_to(ptr);
+    let mut limit = held_to(ptr)?;
     let mut pieces = 1;
     while end > limit {
         // The next physical mapping of the same reservation, starting at
