@@ -482,6 +482,7 @@ pub fn pointer_info(p: u64) -> Result<Option<PtrInfo>> {
 /// that holds `p` (`MAPPING_BASE_ADDR`, `MAPPING_SIZE`), whether `p` is
 /// mapped, and whether the current context's device may read and write it.
 /// None where the driver cannot say.
+#[derive(Clone, Copy, Debug)]
 pub struct Mapping {
     pub info: PtrInfo,
     pub mapped: bool,

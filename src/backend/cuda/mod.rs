@@ -458,7 +458,6 @@ pub(crate) fn check_stream_device(device: &Device, s: CUstream) -> Result<()> {
 /// running into unmapped or other memory is refused.
 pub(crate) fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &str) -> Result<(u64, u64)> {
     const HOST: u32 = 1;
-    const MAX_PIECES: usize = 1 << 16;
     let info = driver::pointer_info(ptr)?.ok_or_else(|| {
         Error::invalid(format!("{what} ({ptr:#x}) is not CUDA memory: on the CUDA backend it must be a device pointer"))
     })?;
@@ -468,55 +467,83 @@ pub(crate) fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &s
             format!("{what} ({ptr:#x}) is memory of device {}, but this kvswap object is bound to device {}", info.device_ordinal, device.ordinal),
         ));
     }
-    let range_end = info.range_start + info.range_size;
-    // The end of the memory known to be there: the range, cut to the
-    // physical mapping that holds `at` where the driver names one inside it.
-    // Fails closed: where the driver described `at` a moment ago but not
-    // its mapping, nothing bounds a virtual-memory buffer but the whole
-    // reservation, so the call is refused rather than trusted.
-    let held_to = |at: u64| -> Result<u64> {
-        let m = driver::mapping(at).ok_or_else(|| Error::device(format!("{what} ({ptr:#x}): the driver did not describe its mapping")))?;
-        let mapping_end = m.mapping_base.saturating_add(m.mapping_size);
-        Ok(if m.mapping_size > 0 && m.mapping_base <= at && mapping_end > at { mapping_end.min(range_end) } else { range_end })
-    };
     let past_end = |limit: u64| {
         Error::out_of_range(format!(
             "{what} ({ptr:#x}, {bytes} bytes) runs past the end of its allocation ({} bytes from {:#x})",
-            limit - info.range_start,
+            limit.saturating_sub(info.range_start),
             info.range_start
         ))
     };
-    let end = ptr.checked_add(bytes).ok_or_else(|| past_end(range_end))?;
-    if end <= info.range_start + info.range_size && info.memory_type == HOST {
-        return Ok((info.range_start, range_end)); // pinned host memory: one allocation
+    let end = ptr.checked_add(bytes).ok_or_else(|| past_end(info.range_start.saturating_add(info.range_size)))?;
+    match mapped_extent(&info, ptr, end, driver::mapping) {
+        Ok(limit) => Ok((info.range_start, limit)),
+        Err(RangeFault::PastEnd(limit)) => Err(past_end(limit)),
+        Err(RangeFault::Undescribed) => Err(Error::device(format!("{what} ({ptr:#x}): the driver did not describe its mapping"))),
     }
-    let mut limit = held_to(ptr)?;
+}
+
+/// The copy kernels' word size (kernels/swap.cu's `warp_copy`): the largest
+/// of 16, 8 and 4 bytes that divides every one of `values` (addresses and
+/// sizes), else 1.
+fn copy_width(values: impl IntoIterator<Item = u64>) -> u32 {
+    let all = values.into_iter().fold(0u64, |a, v| a | v);
+    [16u32, 8, 4].into_iter().find(|&w| all % w as u64 == 0).unwrap_or(1)
+}
+
+/// Why [`mapped_extent`] refused a buffer.
+#[derive(Debug, PartialEq, Eq)]
+enum RangeFault {
+    /// The memory known to be there ends at this address, before the buffer.
+    PastEnd(u64),
+    /// The driver described the pointer but not its mapping.
+    Undescribed,
+}
+
+/// The end of the memory that holds `[ptr, end)` (>= `end`), as
+/// `describe` (the driver's pointer attributes, [`driver::mapping`])
+/// reports it; `info` is `ptr`'s own description. The rules of
+/// [`check_device_range`]: pinned host memory is its range; otherwise the
+/// range cut to the physical mapping that holds `ptr`, then the next
+/// mappings while each starts where the last ended, lies in the same
+/// reservation (same range start), is mapped read-write, and is memory of
+/// the same kind and device (at most `MAX_PIECES` in all). Fails closed: a
+/// pointer whose mapping is not described is refused, since for a
+/// virtual-memory reservation nothing else bounds it but the whole
+/// reservation. Pure (the driver is `describe`), so it is unit-tested.
+fn mapped_extent(info: &driver::PtrInfo, ptr: u64, end: u64, describe: impl Fn(u64) -> Option<driver::Mapping>) -> std::result::Result<u64, RangeFault> {
+    const HOST: u32 = 1;
+    const MAX_PIECES: usize = 1 << 16;
+    let range_end = info.range_start.saturating_add(info.range_size);
+    if end <= range_end && info.memory_type == HOST {
+        return Ok(range_end); // pinned host memory: one allocation
+    }
+    let m = describe(ptr).ok_or(RangeFault::Undescribed)?;
+    let mapping_end = m.mapping_base.saturating_add(m.mapping_size);
+    let mut limit = if m.mapping_size > 0 && m.mapping_base <= ptr && mapping_end > ptr { mapping_end.min(range_end) } else { range_end };
     let mut pieces = 1;
     while end > limit {
-        // The next physical mapping of the same reservation, starting at
-        // `limit`, mapped read-write for this device; anything else ends
-        // the walk.
-        let next = match driver::mapping(limit) {
-            Some(m)
-                if m.mapped
-                    && m.read_write
-                    && m.mapping_base == limit
-                    && m.mapping_size > 0
-                    && m.info.range_start == info.range_start
-                    && m.info.memory_type == info.memory_type
-                    && m.info.device_ordinal == info.device_ordinal =>
+        let next = match describe(limit) {
+            Some(n)
+                if n.mapped
+                    && n.read_write
+                    && n.mapping_base == limit
+                    && n.mapping_size > 0
+                    && n.info.range_start == info.range_start
+                    && n.info.memory_type == info.memory_type
+                    && n.info.device_ordinal == info.device_ordinal =>
             {
-                m
+                n
             }
-            _ => return Err(past_end(limit)),
+            _ => return Err(RangeFault::PastEnd(limit)),
         };
         pieces += 1;
-        if pieces > MAX_PIECES {
-            return Err(past_end(limit));
+        let next_end = next.mapping_base.saturating_add(next.mapping_size).min(range_end);
+        if pieces > MAX_PIECES || next_end <= limit {
+            return Err(RangeFault::PastEnd(limit));
         }
-        limit = (next.mapping_base + next.mapping_size).min(range_end);
+        limit = next_end;
     }
-    Ok((info.range_start, limit.max(end)))
+    Ok(limit)
 }
 
 /// Offsets (in 4-byte words) of a layer's metadata arrays in one allocation.
@@ -689,13 +716,11 @@ impl CudaLayer {
         Ok(layer)
     }
 
-    /// The copy kernels' word size (kernels/swap.cu's `warp_copy`): the
-    /// largest of 16, 8 and 4 bytes that divides every address and size
-    /// (the layer's and `extra`), else 1.
+    /// The copy kernels' word size for this layer's copies (the layer's
+    /// addresses and sizes and `extra`): [`copy_width`].
     fn copy_width(&self, extra: &[u64]) -> u32 {
         let d = &self.dev;
-        let all = [d.chunk_bytes, d.stride, d.staging, d.host_tier].into_iter().chain(extra.iter().copied()).fold(0u64, |a, v| a | v);
-        [16u32, 8, 4].into_iter().find(|&w| all % w as u64 == 0).unwrap_or(1)
+        copy_width([d.chunk_bytes, d.stride, d.staging, d.host_tier].into_iter().chain(extra.iter().copied()))
     }
 
     /// Checks the engine's stream on every call (never the legacy one; of
@@ -1161,5 +1186,135 @@ impl CudaLayer {
         }
         let chunks = self.read_meta(self.meta.slot_chunk, self.plan.slots as usize, s)?;
         Ok(chunks.iter().enumerate().filter(|(_, &c)| c != u32::MAX).map(|(sl, &c)| (sl as u32, c)).collect())
+    }
+}
+
+#[cfg(test)]
+mod range_tests {
+    //! `mapped_extent` against a made-up driver: the memory kinds the H200
+    //! reported (tests/gpu.rs's `driver_reports_what_the_range_check_relies_on`
+    //! asserts them there) and the edges around them; and `copy_width`.
+    use super::{copy_width, mapped_extent, RangeFault};
+    use crate::backend::cuda::driver::{Mapping, PtrInfo};
+
+    const DEVICE: u32 = 2;
+    const HOST: u32 = 1;
+    const MIB: u64 = 1 << 20;
+
+    /// One described region: its range, its physical mapping, mapped and
+    /// read-write flags.
+    #[derive(Clone, Copy)]
+    struct Region {
+        range: (u64, u64),
+        mapping: (u64, u64),
+        kind: u32,
+        device: i32,
+        mapped: bool,
+        rw: bool,
+    }
+
+    fn region(range: (u64, u64), mapping: (u64, u64)) -> Region {
+        Region { range, mapping, kind: DEVICE, device: 0, mapped: true, rw: true }
+    }
+
+    /// The driver of `regions`: the first region whose mapping holds `p`.
+    fn driver(regions: &[Region]) -> impl Fn(u64) -> Option<Mapping> + '_ {
+        move |p| {
+            regions.iter().find(|r| r.mapping.0 <= p && p < r.mapping.0 + r.mapping.1).map(|r| Mapping {
+                info: PtrInfo { memory_type: r.kind, device_ordinal: r.device, range_start: r.range.0, range_size: r.range.1 },
+                mapped: r.mapped,
+                read_write: r.rw,
+                mapping_base: r.mapping.0,
+                mapping_size: r.mapping.1,
+            })
+        }
+    }
+
+    fn extent(regions: &[Region], ptr: u64, bytes: u64) -> Result<u64, RangeFault> {
+        let d = driver(regions);
+        let info = d(ptr).expect("the pointer is described").info;
+        mapped_extent(&info, ptr, ptr + bytes, d)
+    }
+
+    #[test]
+    fn ordinary_and_pool_allocations_end_at_their_range() {
+        // A 100-byte allocation in a 2 MiB mapping shared with a neighbour.
+        let a = 0x7f00_0000_0000;
+        let regions = [region((a, 100), (a, 2 * MIB)), region((a + 512, 4096), (a, 2 * MIB))];
+        assert_eq!(extent(&regions, a, 100), Ok(a + 100));
+        assert_eq!(extent(&regions, a + 40, 60), Ok(a + 100), "exact fit from inside");
+        assert_eq!(extent(&regions, a, 101), Err(RangeFault::PastEnd(a + 100)), "one byte over, into the shared mapping");
+        // A 3 MiB pool allocation in a 32 MiB pool mapping.
+        let p = 0x3_0200_0000;
+        let pool = [region((p, 3 * MIB), (p, 32 * MIB))];
+        assert_eq!(extent(&pool, p + MIB, 2 * MIB), Ok(p + 3 * MIB));
+        assert_eq!(extent(&pool, p + MIB, 2 * MIB + 1), Err(RangeFault::PastEnd(p + 3 * MIB)));
+        // Two large allocations side by side, each its own mapping: an
+        // overrun into the second is refused (another range start).
+        let l = 0x7f10_0000_0000;
+        let two = [region((l, 64 * MIB), (l, 64 * MIB)), region((l + 64 * MIB, 64 * MIB), (l + 64 * MIB, 64 * MIB))];
+        assert_eq!(extent(&two, l, 64 * MIB), Ok(l + 64 * MIB));
+        assert_eq!(extent(&two, l + MIB, 64 * MIB), Err(RangeFault::PastEnd(l + 64 * MIB)));
+    }
+
+    #[test]
+    fn pinned_host_memory_is_its_range() {
+        let h = 0x7f20_0000_0000;
+        let regions = [Region { kind: HOST, ..region((h, MIB), (h, 2 * MIB)) }];
+        assert_eq!(extent(&regions, h, MIB), Ok(h + MIB));
+        assert_eq!(extent(&regions, h, MIB + 1), Err(RangeFault::PastEnd(h + MIB)));
+    }
+
+    /// A reservation of four 2 MiB pieces whose range is the whole
+    /// reservation (as the H200 reports it): pieces 0-2 mapped, 3 not.
+    fn reservation(v: u64) -> Vec<Region> {
+        (0..3).map(|i| region((v, 8 * MIB), (v + 2 * i * MIB, 2 * MIB))).collect()
+    }
+
+    #[test]
+    fn a_reservation_walks_its_mapped_pieces() {
+        let v = 0x7f30_0000_0000;
+        let r = reservation(v);
+        assert_eq!(extent(&r, v + 2 * MIB - 8, 72), Ok(v + 4 * MIB), "across a seam");
+        assert_eq!(extent(&r, v + 2 * MIB, 2 * MIB), Ok(v + 4 * MIB), "a whole piece from its seam");
+        assert_eq!(extent(&r, v, 6 * MIB), Ok(v + 6 * MIB), "every mapped piece, exact fit");
+        assert_eq!(extent(&r, v + 6 * MIB - 8, 8), Ok(v + 6 * MIB), "exact fit at the mapped end");
+        assert_eq!(extent(&r, v + 6 * MIB - 8, 9), Err(RangeFault::PastEnd(v + 6 * MIB)), "into the unmapped piece");
+        assert_eq!(extent(&r, v + MIB, 6 * MIB), Err(RangeFault::PastEnd(v + 6 * MIB)));
+    }
+
+    #[test]
+    fn the_walk_stops_at_pieces_it_must_not_enter() {
+        let v = 0x7f40_0000_0000;
+        for (what, change) in [
+            ("not read-write for this device", (|r: &mut Region| r.rw = false) as fn(&mut Region)),
+            ("not mapped", |r| r.mapped = false),
+            ("another device's", |r| r.device = 1),
+            ("host memory", |r| r.kind = HOST),
+            ("another reservation's", |r| r.range = (r.mapping.0, 2 * MIB)),
+        ] {
+            let mut r = reservation(v);
+            change(&mut r[1]);
+            assert_eq!(extent(&r, v + 2 * MIB - 8, 16), Err(RangeFault::PastEnd(v + 2 * MIB)), "{what}");
+            assert_eq!(extent(&r, v, 2 * MIB), Ok(v + 2 * MIB), "{what}: the first piece alone is fine");
+        }
+    }
+
+    #[test]
+    fn an_undescribed_mapping_is_refused() {
+        let info = PtrInfo { memory_type: DEVICE, device_ordinal: 0, range_start: 0x1000, range_size: 1 << 30 };
+        assert_eq!(mapped_extent(&info, 0x1000, 0x2000, |_| None), Err(RangeFault::Undescribed));
+    }
+
+    #[test]
+    fn copy_width_divides_every_address_and_size() {
+        assert_eq!(copy_width([2048, 2048, 0x7f00_0000_0000, 0x7f10_0000_0000]), 16);
+        assert_eq!(copy_width([2056, 2056, 0x7f00_0000_0000, 0x7f10_0000_0000]), 8);
+        assert_eq!(copy_width([2052, 2052, 0x7f00_0000_0000, 0x7f10_0000_0000]), 4);
+        assert_eq!(copy_width([2049, 2049, 0x7f00_0000_0000, 0x7f10_0000_0000]), 1);
+        assert_eq!(copy_width([2048, 1040, 0x7f00_0000_0000, 0x7f10_0000_0000]), 16, "1040 = 16 x 65");
+        assert_eq!(copy_width([2048, 2048, 0x7f00_0000_0008, 0x7f10_0000_0000]), 8, "an address decides too");
+        assert_eq!(copy_width([2048, 2048, 0x7f00_0000_0000, 0x7f10_0000_0000, 0x1002, 2048]), 1, "a store's src, 2-byte aligned");
+        assert_eq!(copy_width([]), 16, "nothing to divide");
     }
 }
