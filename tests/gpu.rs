@@ -873,6 +873,67 @@ fn waiting_calls_leave_a_global_capture_intact() {
     assert!(e.message.contains("host wait"), "{e}");
 }
 
+/// A virtual-memory reservation (`cuMemAddressReserve`) of `pieces` pieces
+/// of device 0's allocation granularity, the pieces named in `mapped` each
+/// mapped to a physical allocation of its own and made read-write for
+/// device 0, as PyTorch's expandable segments and ggml's VMM pool build
+/// their buffers; everything is unmapped and released on drop.
+struct Reservation {
+    va: u64,
+    gran: u64,
+    pieces: usize,
+    mapped: Vec<(u64, u64)>, // (piece address, physical handle)
+}
+
+impl Reservation {
+    fn new(pieces: usize, mapped: &[usize]) -> Reservation {
+        use cudarc::driver::sys;
+        let ok = |r: sys::CUresult, what: &str| assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{what}");
+        // SAFETY (test): plain C structs, every field set or zero.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = 0;
+        let mut gran = 0usize;
+        let min = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+        ok(unsafe { sys::cuMemGetAllocationGranularity(&mut gran, &prop, min) }, "granularity");
+        assert!(gran >= 64 * 1024, "granularity {gran}");
+        let mut va = 0u64;
+        ok(unsafe { sys::cuMemAddressReserve(&mut va, pieces * gran, 0, 0, 0) }, "reserve");
+        let mut access: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        access.location = prop.location;
+        access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        let mut r = Reservation { va, gran: gran as u64, pieces, mapped: Vec::new() };
+        for &i in mapped {
+            let (at, mut h) = (r.piece(i), 0u64);
+            ok(unsafe { sys::cuMemCreate(&mut h, gran, &prop, 0) }, "create");
+            ok(unsafe { sys::cuMemMap(at, gran, 0, h, 0) }, "map");
+            r.mapped.push((at, h));
+            ok(unsafe { sys::cuMemSetAccess(at, gran, &access, 1) }, "access");
+        }
+        r
+    }
+
+    /// The address of piece `i`.
+    fn piece(&self, i: usize) -> u64 {
+        self.va + i as u64 * self.gran
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        use cudarc::driver::sys;
+        for &(at, h) in &self.mapped {
+            // SAFETY (test): mapped and created in `new`, released once here.
+            unsafe {
+                assert_eq!(sys::cuMemUnmap(at, self.gran as usize), sys::CUresult::CUDA_SUCCESS, "unmap");
+                assert_eq!(sys::cuMemRelease(h), sys::CUresult::CUDA_SUCCESS, "release");
+            }
+        }
+        assert_eq!(unsafe { sys::cuMemAddressFree(self.va, self.pieces * self.gran as usize) }, sys::CUresult::CUDA_SUCCESS, "free");
+    }
+}
+
 /// Memory of a virtual-memory allocator (PyTorch's `expandable_segments`,
 /// ggml's VMM pool): physical allocations mapped side by side into one
 /// reserved range, for which the driver reports each piece as its own
@@ -882,34 +943,13 @@ fn waiting_calls_leave_a_global_capture_intact() {
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn buffers_across_mapped_pieces_are_accepted() {
-    use cudarc::driver::sys;
     let mut rng = Rng::fresh("gpu vmm pieces");
     let (cap, chunk, slots, window) = (64u32, 4096usize, 16u32, 2u32);
     let (_dev, _g, [s]) = gpu0();
-    let ok = |r: sys::CUresult, what: &str| assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{what}");
-    // SAFETY (test): plain C structs, every field set or zero.
-    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = 0;
-    let mut gran = 0usize;
-    let min = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
-    ok(unsafe { sys::cuMemGetAllocationGranularity(&mut gran, &prop, min) }, "granularity");
-    assert!(gran >= 64 * 1024, "granularity {gran}");
     // Four pieces of address space, the first three mapped to three physical
     // allocations; the fourth stays unmapped.
-    let mut va = 0u64;
-    ok(unsafe { sys::cuMemAddressReserve(&mut va, 4 * gran, 0, 0, 0) }, "reserve");
-    let mut handles = [0u64; 3];
-    for (i, h) in handles.iter_mut().enumerate() {
-        ok(unsafe { sys::cuMemCreate(h, gran, &prop, 0) }, "create");
-        ok(unsafe { sys::cuMemMap(va + (i * gran) as u64, gran, 0, *h, 0) }, "map");
-    }
-    let mut access: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-    access.location = prop.location;
-    access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    ok(unsafe { sys::cuMemSetAccess(va, 3 * gran, &access, 1) }, "access");
-    let (seam, seam2) = (va + gran as u64, va + 2 * gran as u64);
+    let r = Reservation::new(4, &[0, 1, 2]);
+    let (seam, seam2) = (r.piece(1), r.piece(2));
 
     let staging = seam - (slots as u64 / 2) * chunk as u64; // half the rows on each side of the first seam
     let gpu_spec = KvswapLayerSpec { staging: staging as *mut std::ffi::c_void, ..spec(cap, chunk as u32) };
@@ -930,20 +970,16 @@ fn buffers_across_mapped_pieces_are_accepted() {
     staged_as_on_cpu(&cpu, &gpu, &sel, idx, window, &s, "across the seams");
     // Into the unmapped fourth piece: refused, nothing staged or counted.
     let before = gpu.stats(0).unwrap();
-    let tail = va + 3 * gran as u64 - 8;
+    let tail = r.piece(3) - 8;
     let e = unsafe { gpu.swap_in_raw(0, tail, window, slots, s.0 as u64) }.unwrap_err();
     assert_eq!(e.status, kvswap::KvswapStatus::OutOfRange, "{e}");
     assert!(e.message.contains("runs past the end"), "{e}");
     assert_eq!(gpu.stats(0).unwrap(), before);
-    let far = KvswapLayerSpec { staging: (va + 3 * gran as u64 - chunk as u64) as *mut std::ffi::c_void, ..spec(cap, chunk as u32) };
+    let far = KvswapLayerSpec { staging: (r.piece(3) - chunk as u64) as *mut std::ffi::c_void, ..spec(cap, chunk as u32) };
     let e = Context::new(config(BackendChoice::Cuda, slots, true), &[far]).err().expect("staging into unmapped memory");
     assert_eq!(e.status, kvswap::KvswapStatus::OutOfRange, "{e}");
-    drop(gpu);
-    ok(unsafe { sys::cuMemUnmap(va, 3 * gran) }, "unmap");
-    for h in handles {
-        ok(unsafe { sys::cuMemRelease(h) }, "release");
-    }
-    ok(unsafe { sys::cuMemAddressFree(va, 4 * gran) }, "free");
+    drop(gpu); // before the reservation it stages into
+    drop(r);
 }
 
 /// Device memory given to the CPU backend (an engine that created its
@@ -1456,34 +1492,17 @@ fn driver_reports_what_the_range_check_relies_on() {
     let m = show("cuMemAllocAsync 3 MiB, +2.5", pooled + (5 << 19)).expect("described");
     assert_eq!((m.info.range_start, m.info.range_size), (pooled, 3 << 20), "a pool allocation's range is the allocation");
     assert!(m.mapped && m.read_write && m.mapping_base <= pooled && m.mapping_base + m.mapping_size >= pooled + (3 << 20), "mapped, in one mapping");
-    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = 0;
-    let mut gran = 0usize;
-    let min = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
-    ok(unsafe { sys::cuMemGetAllocationGranularity(&mut gran, &prop, min) }, "granularity");
-    let mut va = 0u64;
-    ok(unsafe { sys::cuMemAddressReserve(&mut va, 3 * gran, 0, 0, 0) }, "reserve");
-    let mut h = 0u64;
-    ok(unsafe { sys::cuMemCreate(&mut h, gran, &prop, 0) }, "create");
-    let piece = va + gran as u64;
-    ok(unsafe { sys::cuMemMap(piece, gran, 0, h, 0) }, "map");
-    let mut access: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-    access.location = prop.location;
-    access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    ok(unsafe { sys::cuMemSetAccess(piece, gran, &access, 1) }, "access");
+    let r = Reservation::new(3, &[1]);
+    let (piece, gran) = (r.piece(1), r.gran);
     let m = show("VMM piece 1 of 3 (mapped)", piece + 8).expect("described");
     assert!(m.mapped && m.read_write, "a mapped read-write piece");
-    assert_eq!((m.mapping_base, m.mapping_size), (piece, gran as u64), "the mapping attributes name the piece");
-    assert!(m.info.range_start <= piece && m.info.range_start + m.info.range_size >= piece + gran as u64, "the range holds the piece");
-    for (name, p) in [("VMM piece 0 (unmapped)", va + 8), ("VMM piece 2 (unmapped)", piece + gran as u64 + 8)] {
+    assert_eq!((m.mapping_base, m.mapping_size), (piece, gran), "the mapping attributes name the piece");
+    assert!(m.info.range_start <= piece && m.info.range_start + m.info.range_size >= piece + gran, "the range holds the piece");
+    for (name, p) in [("VMM piece 0 (unmapped)", r.piece(0) + 8), ("VMM piece 2 (unmapped)", r.piece(2) + 8)] {
         assert!(show(name, p).is_none_or(|m| !m.mapped), "{name}: described as mapped");
     }
+    drop(r);
     unsafe {
-        ok(sys::cuMemUnmap(piece, gran), "unmap");
-        ok(sys::cuMemRelease(h), "release");
-        ok(sys::cuMemAddressFree(va, 3 * gran), "free");
         ok(sys::cuMemFreeAsync(pooled, s.0), "free async");
         ok(sys::cuMemFree_v2(managed), "free managed");
     }
