@@ -350,7 +350,7 @@ struct MultiReq {
     u32 layer;   // index into the LayerDev table
     u32 window;
     u32 count;
-    u32 vec;     // the gather's copy width for this layer (warp_copy)
+    u32 width;   // the gather's copy word size for this layer (warp_copy)
 };
 struct MultiReqs {
     const i32* src;
@@ -405,7 +405,7 @@ __device__ __forceinline__ void warp_copy(u8* dst, const u8* src, u64 bytes, u32
 
 // One launch gathers every miss of the last kvswap_swap_in from the mapped
 // host tier into its slot. Each warp copies KV_PIECE-byte pieces.
-__device__ __forceinline__ void gather_block(const LayerDev& L, u32 vec) {
+__device__ __forceinline__ void gather_block(const LayerDev& L, u32 width) {
     const u32 n = *L.n_miss;
     if (n == KV_NONE) return;  // the call was refused
     const u64 pieces = (L.chunk_bytes + KV_PIECE - 1) / KV_PIECE;
@@ -416,13 +416,13 @@ __device__ __forceinline__ void gather_block(const LayerDev& L, u32 vec) {
         const u32 s = L.miss_list[2 * r], id = L.miss_list[2 * r + 1];
         const u64 off = q * KV_PIECE;
         const u64 len = min((u64)KV_PIECE, L.chunk_bytes - off);
-        warp_copy(L.staging + s * L.stride + off, L.host_tier + id * L.chunk_bytes + off, len, vec);
+        warp_copy(L.staging + s * L.stride + off, L.host_tier + id * L.chunk_bytes + off, len, width);
     }
 }
 
-extern "C" __global__ void kvswap_gather(LayerDev L, u32 vec) {
+extern "C" __global__ void kvswap_gather(LayerDev L, u32 width) {
     wait_prerequisites();  // launched early (programmatic dependent launch)
-    gather_block(L, vec);
+    gather_block(L, width);
 }
 
 // The gather of a kvswap_swap_in_multi launch: request blockIdx.y's misses,
@@ -430,7 +430,7 @@ extern "C" __global__ void kvswap_gather(LayerDev L, u32 vec) {
 extern "C" __global__ void kvswap_gather_multi(const LayerDev* table, MultiReqs q) {
     wait_prerequisites();  // launched early (programmatic dependent launch)
     const MultiReq r = q.r[blockIdx.y];
-    gather_block(table[r.layer], r.vec);
+    gather_block(table[r.layer], r.width);
 }
 
 #define KV_STORE_MAX 256u
@@ -446,7 +446,7 @@ struct StoreIds {
 // Copies chunk ids.ids[i] from src + ids.rows[i] * src_stride into the mapped
 // host tier (and into its slot when resident), then marks it stored. Ids are
 // distinct within a launch.
-extern "C" __global__ void kvswap_store(LayerDev L, const u8* src, u64 src_stride, StoreIds ids, u32 vec) {
+extern "C" __global__ void kvswap_store(LayerDev L, const u8* src, u64 src_stride, StoreIds ids, u32 width) {
     const u64 pieces = (L.chunk_bytes + KV_PIECE - 1) / KV_PIECE;
     const u64 warp = (blockIdx.x * (u64)blockDim.x + threadIdx.x) >> 5;
     const u64 nwarps = (gridDim.x * (u64)blockDim.x) >> 5;
@@ -457,9 +457,9 @@ extern "C" __global__ void kvswap_store(LayerDev L, const u8* src, u64 src_strid
         const u64 off = q * KV_PIECE;
         const u64 len = min((u64)KV_PIECE, L.chunk_bytes - off);
         const u8* from = src + ids.rows[r] * src_stride + off;
-        warp_copy(L.host_tier + id * L.chunk_bytes + off, from, len, vec);
+        warp_copy(L.host_tier + id * L.chunk_bytes + off, from, len, width);
         const u32 s = L.identity ? id : L.chunk_slot[id];
-        if (s < KV_CLAIM) warp_copy(L.staging + s * L.stride + off, from, len, vec);
+        if (s < KV_CLAIM) warp_copy(L.staging + s * L.stride + off, from, len, width);
         if (q == 0 && lane == 0) {
             // A refresh: the slot already held this chunk (on a fully
             // resident layer the first store fills the slot).

@@ -157,7 +157,7 @@ struct MultiReq {
     layer: u32,
     window: u32,
     count: u32,
-    vec: u32,
+    width: u32,
 }
 
 /// `MultiReqs` in kernels/swap.cu (by value: a captured graph holds it).
@@ -244,7 +244,7 @@ impl CudaBackend {
             if l.dev.identity == 0 {
                 pieces = pieces.max(r.count as u64 * (l.plan.chunk_bytes as u64).div_ceil(2048));
             }
-            q.r[i] = MultiReq { indices: r.indices as u64, layer: l.plan.index as u32, window: r.window_len, count: r.count, vec: l.copy_width(&[]) };
+            q.r[i] = MultiReq { indices: r.indices as u64, layer: l.plan.index as u32, window: r.window_len, count: r.count, width: l.copy_width(&[]) };
         }
         let n = group.len() as u32;
         let mut tbl = table.ptr;
@@ -849,7 +849,7 @@ impl CudaLayer {
 
     /// Launches the store kernel for distinct `(id, row)` pairs.
     fn launch_store(&mut self, pairs: &[(u32, u32)], src: u64, src_stride: u64, s: CUstream) -> Result<()> {
-        let vec = self.copy_width(&[src, src_stride]);
+        let width = self.copy_width(&[src, src_stride]);
         let pieces = (self.plan.chunk_bytes as u64).div_ceil(2048);
         for batch in pairs.chunks(STORE_MAX) {
             let mut ids = StoreIds { n: batch.len() as u32, ids: [0; STORE_MAX], rows: [0; STORE_MAX] };
@@ -859,8 +859,8 @@ impl CudaLayer {
             }
             let warps = batch.len() as u64 * pieces;
             let grid = warps.div_ceil(8).clamp(1, self.sh.device.sm_count as u64 * 16) as u32;
-            let (mut d, mut src, mut stride, mut vec) = (self.dev, src, src_stride, vec);
-            let mut params = kernel_params![d, src, stride, ids, vec];
+            let (mut d, mut src, mut stride, mut width) = (self.dev, src, src_stride, width);
+            let mut params = kernel_params![d, src, stride, ids, width];
             // SAFETY: parameters match kvswap_store(LayerDev, const u8*, u64, StoreIds, u32);
             // src rows were range-checked by the caller.
             unsafe { self.sh.kernels.store.launch(grid, 256, 0, s, &mut params)? };
@@ -893,8 +893,8 @@ impl CudaLayer {
         if self.dev.identity == 0 && count > 0 {
             let pieces = (self.plan.chunk_bytes as u64).div_ceil(2048);
             let grid = (count as u64 * pieces).div_ceil(8).clamp(1, self.sh.device.sm_count as u64 * 16) as u32;
-            let mut vec = self.copy_width(&[]);
-            let mut params = kernel_params![d, vec];
+            let mut width = self.copy_width(&[]);
+            let mut params = kernel_params![d, width];
             // The residency kernel is queued and will map the misses to
             // slots: without the gather those slots would hold stale bytes.
             // If it cannot be launched at all, an eager call leaves the layer
