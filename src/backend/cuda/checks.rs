@@ -50,9 +50,11 @@ pub(crate) fn check_stream_device(device: &Device, s: CUstream) -> Result<()> {
 /// running into unmapped or other memory is refused.
 pub(crate) fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &str) -> Result<(u64, u64)> {
     const HOST: u32 = 1;
-    let info = driver::pointer_info(ptr)?.ok_or_else(|| {
+    // One driver call for `ptr` (the walk asks again only past its mapping).
+    let first = driver::describe(ptr)?.ok_or_else(|| {
         Error::invalid(format!("{what} ({ptr:#x}) is not CUDA memory: on the CUDA backend it must be a device pointer"))
     })?;
+    let info = first.info;
     if info.memory_type != HOST && info.device_ordinal != device.ordinal {
         return Err(Error::new(
             KvswapStatus::WrongDevice,
@@ -67,7 +69,7 @@ pub(crate) fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &s
         ))
     };
     let end = ptr.checked_add(bytes).ok_or_else(|| past_end(info.range_start.saturating_add(info.range_size)))?;
-    match mapped_extent(&info, ptr, end, driver::mapping) {
+    match mapped_extent(&info, ptr, end, |p| if p == ptr { Some(first) } else { driver::mapping(p) }) {
         Ok(limit) => Ok((info.range_start, limit)),
         Err(RangeFault::PastEnd(limit)) => Err(past_end(limit)),
         Err(RangeFault::Undescribed) => Err(Error::device(format!("{what} ({ptr:#x}): the driver did not describe its mapping"))),

@@ -447,41 +447,11 @@ pub struct PtrInfo {
     pub range_size: u64,
 }
 
-/// Pointer attributes, or None for memory the driver does not know
-/// (pageable host memory).
-pub fn pointer_info(p: u64) -> Result<Option<PtrInfo>> {
-    use sys::CUpointer_attribute::*;
-    let mut mem_type: u32 = 0;
-    let mut ordinal: i32 = -1;
-    let mut start: u64 = 0;
-    let mut size: usize = 0;
-    let mut attrs = [
-        CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-        CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-        CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-        CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-    ];
-    let mut data: [*mut c_void; 4] = [
-        &mut mem_type as *mut u32 as *mut c_void,
-        &mut ordinal as *mut i32 as *mut c_void,
-        &mut start as *mut u64 as *mut c_void,
-        &mut size as *mut usize as *mut c_void,
-    ];
-    // SAFETY: each data slot points to storage of the attribute's type.
-    let r = unsafe { sys::cuPointerGetAttributes(4, attrs.as_mut_ptr(), data.as_mut_ptr(), p) };
-    check(r, "cuPointerGetAttributes")?;
-    if mem_type == 0 {
-        return Ok(None);
-    }
-    Ok(Some(PtrInfo { memory_type: mem_type, device_ordinal: ordinal, range_start: start, range_size: size as u64 }))
-}
-
-/// What the driver says of the memory at `p` beyond [`pointer_info`]: the
-/// range it reports (for a virtual-memory allocator's memory, the whole
-/// reserved address range, mapped or not) and the one physical mapping
-/// that holds `p` (`MAPPING_BASE_ADDR`, `MAPPING_SIZE`), whether `p` is
-/// mapped, and whether the current context's device may read and write it.
-/// None where the driver cannot say.
+/// What the driver says of the memory at `p`: its kind, device and range
+/// (for a virtual-memory allocator's memory, the whole reserved address
+/// range, mapped or not), and the one physical mapping that holds `p`
+/// (`MAPPING_BASE_ADDR`, `MAPPING_SIZE`), whether `p` is mapped, and
+/// whether the current context's device may read and write it.
 #[derive(Clone, Copy, Debug)]
 pub struct Mapping {
     pub info: PtrInfo,
@@ -491,7 +461,10 @@ pub struct Mapping {
     pub mapping_size: u64,
 }
 
-pub fn mapping(p: u64) -> Option<Mapping> {
+/// The pointer attributes of `p` in one driver call, or None for memory the
+/// driver does not know (pageable host memory, an unmapped address:
+/// `cuPointerGetAttributes` then succeeds with every attribute zero).
+pub fn describe(p: u64) -> Result<Option<Mapping>> {
     use sys::CUpointer_attribute::*;
     // 64-bit slots for the flags: the driver writes at most that much.
     let (mut mem_type, mut ordinal, mut start, mut size) = (0u32, -1i32, 0u64, 0usize);
@@ -519,14 +492,20 @@ pub fn mapping(p: u64) -> Option<Mapping> {
     // SAFETY: each data slot points to storage at least as large as the
     // attribute's type.
     let r = unsafe { sys::cuPointerGetAttributes(8, attrs.as_mut_ptr(), data.as_mut_ptr(), p) };
+    check(r, "cuPointerGetAttributes")?;
     const READWRITE: u64 = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64;
-    (r == sys::CUresult::CUDA_SUCCESS && mem_type != 0).then_some(Mapping {
+    Ok((mem_type != 0).then_some(Mapping {
         info: PtrInfo { memory_type: mem_type, device_ordinal: ordinal, range_start: start, range_size: size as u64 },
         mapped: mapped & 0xff != 0,
         read_write: access & 0xffff_ffff == READWRITE,
         mapping_base: base,
         mapping_size: msize as u64,
-    })
+    }))
+}
+
+/// [`describe`], None also where the driver cannot say.
+pub fn mapping(p: u64) -> Option<Mapping> {
+    describe(p).ok().flatten()
 }
 
 /// Whether `p` is device memory the CPU cannot read: device memory that is
