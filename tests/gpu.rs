@@ -886,7 +886,10 @@ struct Reservation {
 }
 
 impl Reservation {
-    fn new(pieces: usize, mapped: &[usize]) -> Reservation {
+    /// `pieces` pieces of address space; the pieces `mapped` mapped read-write
+    /// for device 0, the pieces `no_access` mapped with no access set for any
+    /// device (no `cuMemSetAccess`), the rest unmapped.
+    fn new(pieces: usize, mapped: &[usize], no_access: &[usize]) -> Reservation {
         use cudarc::driver::sys;
         let ok = |r: sys::CUresult, what: &str| assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{what}");
         // SAFETY (test): plain C structs, every field set or zero.
@@ -904,12 +907,14 @@ impl Reservation {
         access.location = prop.location;
         access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
         let mut r = Reservation { va, gran: gran as u64, pieces, mapped: Vec::new() };
-        for &i in mapped {
+        for (i, open) in mapped.iter().map(|&i| (i, true)).chain(no_access.iter().map(|&i| (i, false))) {
             let (at, mut h) = (r.piece(i), 0u64);
             ok(unsafe { sys::cuMemCreate(&mut h, gran, &prop, 0) }, "create");
             ok(unsafe { sys::cuMemMap(at, gran, 0, h, 0) }, "map");
             r.mapped.push((at, h));
-            ok(unsafe { sys::cuMemSetAccess(at, gran, &access, 1) }, "access");
+            if open {
+                ok(unsafe { sys::cuMemSetAccess(at, gran, &access, 1) }, "access");
+            }
         }
         r
     }
@@ -939,16 +944,19 @@ impl Drop for Reservation {
 /// reserved range, for which the driver reports each piece as its own
 /// allocation. An engine staging buffer and an index buffer across seams
 /// are accepted and staged as the CPU backend stages; buffers running into
-/// the reserved but unmapped rest are refused (`KVSWAP_STATUS_OUT_OF_RANGE`).
+/// the reserved but unmapped rest are refused (`KVSWAP_STATUS_OUT_OF_RANGE`),
+/// and so are buffers in a piece mapped without read-write access for the
+/// device (`KVSWAP_STATUS_INVALID_ARGUMENT`).
 #[test]
 #[ignore = "needs a CUDA device: run .ci/gpu-run.sh on the GPU machine"]
 fn buffers_across_mapped_pieces_are_accepted() {
     let mut rng = Rng::fresh("gpu vmm pieces");
     let (cap, chunk, slots, window) = (64u32, 4096usize, 16u32, 2u32);
     let (_dev, _g, [s]) = gpu0();
-    // Four pieces of address space, the first three mapped to three physical
-    // allocations; the fourth stays unmapped.
-    let r = Reservation::new(4, &[0, 1, 2]);
+    // Five pieces of address space, the first three mapped to three physical
+    // allocations; the fourth stays unmapped, the fifth is mapped with no
+    // access set.
+    let r = Reservation::new(5, &[0, 1, 2], &[4]);
     let (seam, seam2) = (r.piece(1), r.piece(2));
 
     let staging = seam - (slots as u64 / 2) * chunk as u64; // half the rows on each side of the first seam
@@ -978,6 +986,16 @@ fn buffers_across_mapped_pieces_are_accepted() {
     let far = KvswapLayerSpec { staging: (r.piece(3) - chunk as u64) as *mut std::ffi::c_void, ..spec(cap, chunk as u32) };
     let e = Context::new(config(BackendChoice::Cuda, slots, true), &[far]).err().expect("staging into unmapped memory");
     assert_eq!(e.status, kvswap::KvswapStatus::OutOfRange, "{e}");
+    // In the piece mapped without access: refused before any launch (a
+    // kernel reading it would fault and poison the context).
+    let closed = r.piece(4);
+    let e = unsafe { gpu.swap_in_raw(0, closed, window, slots, s.0 as u64) }.unwrap_err();
+    assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
+    assert!(e.message.contains("not mapped read-write"), "{e}");
+    assert_eq!(gpu.stats(0).unwrap(), before);
+    let shut = KvswapLayerSpec { staging: closed as *mut std::ffi::c_void, ..spec(cap, chunk as u32) };
+    let e = Context::new(config(BackendChoice::Cuda, slots, true), &[shut]).err().expect("staging without access");
+    assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
     drop(gpu); // before the reservation it stages into
     drop(r);
 }
@@ -1492,7 +1510,7 @@ fn driver_reports_what_the_range_check_relies_on() {
     let m = show("cuMemAllocAsync 3 MiB, +2.5", pooled + (5 << 19)).expect("described");
     assert_eq!((m.info.range_start, m.info.range_size), (pooled, 3 << 20), "a pool allocation's range is the allocation");
     assert!(m.mapped && m.read_write && m.mapping_base <= pooled && m.mapping_base + m.mapping_size >= pooled + (3 << 20), "mapped, in one mapping");
-    let r = Reservation::new(3, &[1]);
+    let r = Reservation::new(4, &[1], &[3]);
     let (piece, gran) = (r.piece(1), r.gran);
     let m = show("VMM piece 1 of 3 (mapped)", piece + 8).expect("described");
     assert!(m.mapped && m.read_write, "a mapped read-write piece");
@@ -1501,6 +1519,10 @@ fn driver_reports_what_the_range_check_relies_on() {
     for (name, p) in [("VMM piece 0 (unmapped)", r.piece(0) + 8), ("VMM piece 2 (unmapped)", r.piece(2) + 8)] {
         assert!(show(name, p).is_none_or(|m| !m.mapped), "{name}: described as mapped");
     }
+    // Mapped with no access for this device: not described as read-write
+    // (the check refuses a buffer that starts there).
+    let name = "VMM piece 3 (no access)";
+    assert!(show(name, r.piece(3) + 8).is_none_or(|m| !m.read_write), "{name}: described as read-write");
     drop(r);
     unsafe {
         ok(sys::cuMemFreeAsync(pooled, s.0), "free async");

@@ -47,7 +47,9 @@ pub(crate) fn check_stream_device(device: &Device, s: CUstream) -> Result<()> {
 /// on, mapping by mapping, while the next one starts where the last ended,
 /// lies in the same reservation, is mapped read-write for this device, and
 /// is memory of the same kind and device (at most `MAX_PIECES`). A buffer
-/// running into unmapped or other memory is refused.
+/// running into unmapped or other memory is refused (OUT_OF_RANGE), and so
+/// is one starting in a piece not mapped read-write for this device
+/// (INVALID_ARGUMENT): a kernel touching it would fault.
 pub(crate) fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &str) -> Result<(u64, u64)> {
     const HOST: u32 = 1;
     // One driver call for `ptr` (the walk asks again only past its mapping).
@@ -73,6 +75,11 @@ pub(crate) fn check_device_range(device: &Device, ptr: u64, bytes: u64, what: &s
         Ok(limit) => Ok((info.range_start, limit)),
         Err(RangeFault::PastEnd(limit)) => Err(past_end(limit)),
         Err(RangeFault::Undescribed) => Err(Error::device(format!("{what} ({ptr:#x}): the driver did not describe its mapping"))),
+        Err(RangeFault::NoAccess) => Err(Error::invalid(format!(
+            "{what} ({ptr:#x}) lies in a virtual-memory piece that is not mapped read-write for device {} \
+             (cuMemSetAccess with CU_MEM_ACCESS_FLAGS_PROT_READWRITE for it)",
+            device.ordinal
+        ))),
     }
 }
 
@@ -91,6 +98,10 @@ enum RangeFault {
     PastEnd(u64),
     /// The driver described the pointer but not its mapping.
     Undescribed,
+    /// The pointer lies in a piece of a virtual-memory reservation that is
+    /// not mapped read-write for this device (`cuMemSetAccess` not called
+    /// for it, or read-only, or opened only to another device).
+    NoAccess,
 }
 
 /// The end of the memory that holds `[ptr, end)` (>= `end`), as
@@ -113,7 +124,12 @@ fn mapped_extent(info: &driver::PtrInfo, ptr: u64, end: u64, describe: impl Fn(u
     }
     let m = describe(ptr).ok_or(RangeFault::Undescribed)?;
     let mapping_end = m.mapping_base.saturating_add(m.mapping_size);
-    let mut limit = if m.mapping_size > 0 && m.mapping_base <= ptr && mapping_end > ptr { mapping_end.min(range_end) } else { range_end };
+    let holds_ptr = m.mapping_size > 0 && m.mapping_base <= ptr && mapping_end > ptr;
+    let a_piece = holds_ptr && (m.mapping_base > info.range_start || mapping_end < range_end);
+    if a_piece && !(m.mapped && m.read_write) {
+        return Err(RangeFault::NoAccess);
+    }
+    let mut limit = if holds_ptr { mapping_end.min(range_end) } else { range_end };
     let mut pieces = 1;
     while end > limit {
         let next = match describe(limit) {
@@ -249,6 +265,26 @@ mod tests {
             assert_eq!(extent(&r, v + 2 * MIB - 8, 16), Err(RangeFault::PastEnd(v + 2 * MIB)), "{what}");
             assert_eq!(extent(&r, v, 2 * MIB), Ok(v + 2 * MIB), "{what}: the first piece alone is fine");
         }
+    }
+
+    #[test]
+    fn a_piece_without_read_write_access_is_refused_from_its_start() {
+        let v = 0x7f50_0000_0000;
+        for (what, change) in [
+            ("no access set for this device", (|r: &mut Region| r.rw = false) as fn(&mut Region)),
+            ("not mapped", |r| r.mapped = false),
+        ] {
+            let mut r = reservation(v);
+            change(&mut r[1]);
+            assert_eq!(extent(&r, v + 2 * MIB, 16), Err(RangeFault::NoAccess), "{what}");
+            assert_eq!(extent(&r, v + 3 * MIB, 2 * MIB), Err(RangeFault::NoAccess), "{what}: into a good piece");
+            assert_eq!(extent(&r, v + 4 * MIB, 16), Ok(v + 6 * MIB), "{what}: the next piece is fine");
+        }
+        // An ordinary or pool allocation's mapping covers its range: its
+        // flags are not what bounds it (the H200 reports them read-write).
+        let a = 0x7f60_0000_0000;
+        let ordinary = [Region { rw: false, ..region((a, 100), (a, 2 * MIB)) }];
+        assert_eq!(extent(&ordinary, a, 100), Ok(a + 100));
     }
 
     #[test]
