@@ -489,6 +489,9 @@ struct CudaLayer {
     /// A kvswap_check_entries is queued whose error record
     /// `entries_checked` has not read yet.
     entries_pending: bool,
+    /// The error record's copy into `readback` is queued with the last
+    /// recorded call (`queue_error_read`), so `wait` also waits for it.
+    error_queued: bool,
     sh: Arc<Shared>,
 }
 
@@ -565,6 +568,7 @@ impl CudaLayer {
             last_capture: None,
             broken: None,
             entries_pending: false,
+            error_queued: false,
         };
         let s = layer.sh.internal.0;
         let mut d = layer.dev;
@@ -675,6 +679,9 @@ impl CudaLayer {
     /// buffer (sized at creation for the largest read) and waits for it.
     fn read_device(&mut self, src: u64, bytes: usize, s: CUstream) -> Result<Vec<u8>> {
         assert!(bytes <= self.readback.bytes, "readback buffer too small");
+        // Every caller waited for the layer's last call first, so a queued
+        // error-record copy has landed; this read replaces it.
+        self.error_queued = false;
         // SAFETY: readback holds at least `bytes`; synced before reading.
         unsafe { driver::copy_dtoh_async(self.readback.host, src, bytes, s)? };
         driver::stream_sync(s)?;
@@ -691,6 +698,38 @@ impl CudaLayer {
     /// Returns and clears the device error record (after `wait`).
     fn take_error(&mut self, s: CUstream) -> Result<()> {
         let e = self.read_meta(self.meta.err, 3, s)?;
+        self.error_from_record(&e, s)
+    }
+
+    /// Strict calls: queues the error record's copy into `readback` on `s`
+    /// after the call's kernels and before `after_launch` records `done`,
+    /// so the call's one host wait (`wait`) also covers the copy
+    /// (`take_queued_error` then reads it without a second wait).
+    fn queue_error_read(&mut self, s: CUstream) {
+        let src = self.dev.chunk_slot + 4 * self.meta.err as u64;
+        // SAFETY: readback holds at least the 3 words of the error record
+        // (it is sized for the metadata); it is read only after `wait`.
+        self.error_queued = unsafe { driver::copy_dtoh_async(self.readback.host, src, 12, s) }.is_ok();
+    }
+
+    /// [`Self::take_error`] after `wait`, from the copy `queue_error_read` queued
+    /// when it could (else read now).
+    fn take_queued_error(&mut self, s: CUstream) -> Result<()> {
+        if !std::mem::take(&mut self.error_queued) {
+            return self.take_error(s);
+        }
+        // SAFETY: the copy was queued before `done` was recorded and `wait`
+        // returned: its 3 words are in place.
+        let e: Vec<u32> = unsafe { std::slice::from_raw_parts(self.readback.host, 12) }
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        self.error_from_record(&e, s)
+    }
+
+    /// The error record `e` (code, position, id) as a result; a set record
+    /// is cleared on the device first.
+    fn error_from_record(&mut self, e: &[u32], s: CUstream) -> Result<()> {
         if e[0] == 0 {
             return Ok(());
         }
@@ -832,12 +871,15 @@ impl LayerOps for CudaLayer {
             Ok(())
         };
         let launched = launched.and_then(|()| self.launch_swap(indices, window_len, count, self.strict, s, capture.is_some()));
+        if self.strict && capture.is_none() {
+            self.queue_error_read(s);
+        }
         let launched = self.after_launch(s, capture.is_some(), launched);
         if self.strict {
             // Waited for and read also when a launch failed: a kernel queued
             // before it may have recorded a refusal, which a later call would
             // otherwise report as its own. The launch's error comes first.
-            let recorded = self.wait().and_then(|()| self.take_error(s));
+            let recorded = self.wait().and_then(|()| self.take_queued_error(s));
             return launched.and(recorded);
         }
         launched
@@ -900,6 +942,9 @@ impl LayerOps for CudaLayer {
         let launched = unsafe { self.sh.kernels.check_entries.launch(1, threads, 0, s, &mut params) };
         // Pending also when the launch failed: `done` may cover earlier work.
         self.entries_pending = true;
+        if capture.is_none() {
+            self.queue_error_read(s);
+        }
         self.after_launch(s, capture.is_some(), launched)
     }
 
@@ -910,7 +955,7 @@ impl LayerOps for CudaLayer {
         let _g = self.sh.device.bind()?;
         self.wait()?; // still pending if the wait fails: the next call collects it
         self.entries_pending = false;
-        self.take_error(self.sh.internal.0)
+        self.take_queued_error(self.sh.internal.0)
     }
 
     fn stats(&mut self, take_error: bool) -> Result<KvswapLayerStats> {
@@ -1004,11 +1049,14 @@ impl LayerOps for CudaLayer {
         let launched = self
             .launch_swap(dst, window_len, count, self.strict, s, false)
             .and_then(|()| unsafe { driver::copy_dtoh_async(indices.as_mut_ptr() as *mut u8, dst, bytes, s) });
+        if self.strict {
+            self.queue_error_read(s); // covered by the wait below
+        }
         driver::stream_sync(s)?;
         self.recorded = false;
         launched?;
         if self.strict {
-            self.take_error(s)?;
+            self.take_queued_error(s)?;
         }
         Ok(())
     }
