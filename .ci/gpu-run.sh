@@ -227,8 +227,11 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == sanitize || $what == all ]]; then
   CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  # Under the sanitizer a kernel launched on one stream invalidates another
+  # stream's global-mode capture, relaxed mode or not (.ci/capture-probe.py
+  # shows it with plain driver calls): the global-capture test is skipped.
   for tool in memcheck racecheck; do
-    step "sanitizer-$tool" timeout ${SAN_TIMEOUT:-300} env KVSWAP_TEST_SCALE=${SAN_SCALE:-0.01} "$CS" --tool $tool --error-exitcode 1 $T/gpu --ignored --test-threads=1 "${SKIP[@]}"
+    step "sanitizer-$tool" timeout ${SAN_TIMEOUT:-300} env KVSWAP_TEST_SCALE=${SAN_SCALE:-0.01} "$CS" --tool $tool --error-exitcode 1 $T/gpu --ignored --test-threads=1 "${SKIP[@]}" --skip global_capture
   done
 fi
 if [[ $what == fm || $what == all ]]; then
