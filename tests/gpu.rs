@@ -996,6 +996,21 @@ fn buffers_across_mapped_pieces_are_accepted() {
     let shut = KvswapLayerSpec { staging: closed as *mut std::ffi::c_void, ..spec(cap, chunk as u32) };
     let e = Context::new(config(BackendChoice::Cuda, slots, true), &[shut]).err().expect("staging without access");
     assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "{e}");
+    // A reservation of one piece (its mapping is its range) without access.
+    let single = Reservation::new(1, &[], &[0]);
+    let e = unsafe { gpu.swap_in_raw(0, single.piece(0), window, slots, s.0 as u64) }.unwrap_err();
+    assert_eq!(e.status, kvswap::KvswapStatus::InvalidArgument, "one piece: {e}");
+    drop(single);
+    // Pinned host memory (device-mapped) as the index buffer: accepted,
+    // staged as on the CPU.
+    let pinned = driver::PinnedBuffer::alloc(4 * n_idx).unwrap();
+    let mut sel2: Vec<i32> = (0..window as i32).map(|i| -3 - i).collect();
+    sel2.extend(selection(&mut rng, cap, slots as usize, 11));
+    // SAFETY (test): the buffer holds n_idx i32; no call uses it yet.
+    unsafe { std::ptr::copy_nonoverlapping(sel2.as_ptr(), pinned.host as *mut i32, n_idx) };
+    unsafe { gpu.swap_in_raw(0, pinned.host as u64, window, slots, s.0 as u64) }.expect("pinned host indices");
+    staged_as_on_cpu(&cpu, &gpu, &sel2, pinned.host as u64, window, &s, "pinned host indices");
+    assert_eq!(gpu.stats(0).unwrap(), cpu.stats(0).unwrap(), "stats after the pinned call");
     drop(gpu); // before the reservation it stages into
     drop(r);
 }
@@ -1504,15 +1519,40 @@ fn driver_reports_what_the_range_check_relies_on() {
     ok(unsafe { sys::cuMemAllocManaged(&mut managed, 1 << 20, 1) }, "managed");
     let m = show("cuMemAllocManaged", managed).expect("described");
     assert_eq!((m.info.range_start, m.info.range_size), (managed, 1 << 20));
+    assert!(m.mapped && m.read_write, "managed memory mapped read-write");
     let mut pooled = 0u64;
     ok(unsafe { sys::cuMemAllocAsync(&mut pooled, 3 << 20, s.0) }, "pool");
     s.sync().unwrap();
     let m = show("cuMemAllocAsync 3 MiB, +2.5", pooled + (5 << 19)).expect("described");
     assert_eq!((m.info.range_start, m.info.range_size), (pooled, 3 << 20), "a pool allocation's range is the allocation");
     assert!(m.mapped && m.read_write && m.mapping_base <= pooled && m.mapping_base + m.mapping_size >= pooled + (3 << 20), "mapped, in one mapping");
+    // Pinned host memory (cuMemHostAlloc, device-mapped): printed; the
+    // check takes its range unless its mapping is a piece of it, which
+    // must then be mapped read-write.
+    for (bytes, at) in [(100usize, 0u64), (64 << 20, 40 << 20)] {
+        let h = driver::PinnedBuffer::alloc(bytes).unwrap();
+        let m = show(&format!("cuMemHostAlloc {bytes} B, +{at}"), h.host as u64 + at).expect("described");
+        let end = m.mapping_base + m.mapping_size;
+        let piece = m.mapping_size > 0 && (m.mapping_base > m.info.range_start || end < m.info.range_start + m.info.range_size);
+        assert!(!piece || (m.mapped && m.read_write), "pinned host memory reported as a piece without access");
+    }
+    // Managed memory over several 2 MiB mappings, its pages on the host: a
+    // pointer in a later mapping is still mapped read-write.
+    let mut big = 0u64;
+    ok(unsafe { sys::cuMemAllocManaged(&mut big, 8 << 20, 1) }, "managed 8 MiB");
+    unsafe { std::ptr::write_bytes(big as *mut u8, 7, 8 << 20) };
+    let m = show("cuMemAllocManaged 8 MiB, host pages, +5 MiB", big + (5 << 20)).expect("described");
+    assert!(m.mapped && m.read_write, "managed memory mapped read-write");
+    ok(unsafe { sys::cuMemFree_v2(big) }, "free managed 8 MiB");
+    // A reservation of one piece mapped without access: its mapping is its
+    // range, and it is not read-write.
+    let single = Reservation::new(1, &[], &[0]);
+    let m = show("VMM 1-piece reservation, no access", single.piece(0) + 8).expect("described");
+    assert!(m.mapped && !m.read_write, "mapped, not read-write");
+    drop(single);
     let r = Reservation::new(4, &[1], &[3]);
     let (piece, gran) = (r.piece(1), r.gran);
-    let m = show("VMM piece 1 of 3 (mapped)", piece + 8).expect("described");
+    let m = show("VMM piece 1 of 4 (mapped)", piece + 8).expect("described");
     assert!(m.mapped && m.read_write, "a mapped read-write piece");
     assert_eq!((m.mapping_base, m.mapping_size), (piece, gran), "the mapping attributes name the piece");
     assert!(m.info.range_start <= piece && m.info.range_start + m.info.range_size >= piece + gran, "the range holds the piece");
@@ -1522,7 +1562,9 @@ fn driver_reports_what_the_range_check_relies_on() {
     // Mapped with no access for this device: not described as read-write
     // (the check refuses a buffer that starts there).
     let name = "VMM piece 3 (no access)";
-    assert!(show(name, r.piece(3) + 8).is_none_or(|m| !m.read_write), "{name}: described as read-write");
+    let m = show(name, r.piece(3) + 8).expect("described");
+    assert!(m.mapped && !m.read_write, "{name}: mapped, not read-write");
+    assert_eq!((m.mapping_base, m.mapping_size), (r.piece(3), gran), "{name}: the mapping attributes name the piece");
     drop(r);
     unsafe {
         ok(sys::cuMemFreeAsync(pooled, s.0), "free async");

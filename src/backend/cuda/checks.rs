@@ -107,26 +107,40 @@ enum RangeFault {
 /// The end of the memory that holds `[ptr, end)` (>= `end`), as
 /// `describe` (the driver's pointer attributes, [`driver::mapping`])
 /// reports it; `info` is `ptr`'s own description. The rules of
-/// [`check_device_range`]: pinned host memory is its range; otherwise the
-/// range cut to the physical mapping that holds `ptr`, then the next
-/// mappings while each starts where the last ended, lies in the same
-/// reservation (same range start), is mapped read-write, and is memory of
-/// the same kind and device (at most `MAX_PIECES` in all). Fails closed: a
-/// pointer whose mapping is not described is refused, since for a
+/// [`check_device_range`]: pinned host memory is its range (unless it is a
+/// piece of a host-backed reservation); otherwise the range cut to the
+/// physical mapping that holds `ptr`, then the next mappings while each
+/// starts where the last ended, lies in the same reservation (same range
+/// start), is mapped read-write, and is memory of the same kind and device
+/// (at most `MAX_PIECES` in all). The mapping that holds `ptr` must not be
+/// mapped without read-write access (the driver reports every other kind
+/// read-write: ordinary, pool and managed memory on the H200), and a piece
+/// of a reservation (a mapping that does not cover the range; an ordinary,
+/// pool or managed allocation's mapping covers it) must be mapped. Fails
+/// closed: a pointer whose mapping is not described is refused, since for a
 /// virtual-memory reservation nothing else bounds it but the whole
 /// reservation. Pure (the driver is `describe`), so it is unit-tested.
 fn mapped_extent(info: &driver::PtrInfo, ptr: u64, end: u64, describe: impl Fn(u64) -> Option<driver::Mapping>) -> std::result::Result<u64, RangeFault> {
     const HOST: u32 = 1;
     const MAX_PIECES: usize = 1 << 16;
     let range_end = info.range_start.saturating_add(info.range_size);
-    if end <= range_end && info.memory_type == HOST {
-        return Ok(range_end); // pinned host memory: one allocation
+    let described = describe(ptr);
+    let sized = described.filter(|m| m.mapping_size > 0);
+    let mapping_end = sized.map_or(0, |m| m.mapping_base.saturating_add(m.mapping_size));
+    let holds_ptr = sized.is_some_and(|m| m.mapping_base <= ptr && mapping_end > ptr);
+    // A piece of a virtual-memory reservation: its mapping holds the
+    // pointer but not the whole range (an ordinary, pool or managed
+    // allocation's mapping covers its range).
+    let a_piece = holds_ptr && sized.is_some_and(|m| m.mapping_base > info.range_start || mapping_end < range_end);
+    if info.memory_type == HOST && !a_piece {
+        // Pinned host memory: one allocation, its range.
+        return if end <= range_end { Ok(range_end) } else { Err(RangeFault::PastEnd(range_end)) };
     }
-    let m = describe(ptr).ok_or(RangeFault::Undescribed)?;
-    let mapping_end = m.mapping_base.saturating_add(m.mapping_size);
-    let holds_ptr = m.mapping_size > 0 && m.mapping_base <= ptr && mapping_end > ptr;
-    let a_piece = holds_ptr && (m.mapping_base > info.range_start || mapping_end < range_end);
-    if a_piece && !(m.mapped && m.read_write) {
+    let m = described.ok_or(RangeFault::Undescribed)?;
+    // Mapped but not read-write for this device (a reservation's memory
+    // without cuMemSetAccess, read-only, or opened only to a peer; every
+    // other kind the driver reports read-write), or a piece not mapped.
+    if holds_ptr && ((m.mapped && !m.read_write) || (a_piece && !m.mapped)) {
         return Err(RangeFault::NoAccess);
     }
     let mut limit = if holds_ptr { mapping_end.min(range_end) } else { range_end };
@@ -280,11 +294,31 @@ mod tests {
             assert_eq!(extent(&r, v + 3 * MIB, 2 * MIB), Err(RangeFault::NoAccess), "{what}: into a good piece");
             assert_eq!(extent(&r, v + 4 * MIB, 16), Ok(v + 6 * MIB), "{what}: the next piece is fine");
         }
-        // An ordinary or pool allocation's mapping covers its range: its
-        // flags are not what bounds it (the H200 reports them read-write).
-        let a = 0x7f60_0000_0000;
-        let ordinary = [Region { rw: false, ..region((a, 100), (a, 2 * MIB)) }];
-        assert_eq!(extent(&ordinary, a, 100), Ok(a + 100));
+        // A reservation of one piece (its mapping is its range) mapped
+        // without access: refused too.
+        let one = 0x7f60_0000_0000;
+        let single = [Region { rw: false, ..region((one, 2 * MIB), (one, 2 * MIB)) }];
+        assert_eq!(extent(&single, one + 64, 16), Err(RangeFault::NoAccess));
+        // A mapping the driver reports as not mapped but which covers its
+        // range (no kind measured does this) keeps the range as its bound.
+        let other = [Region { mapped: false, ..region((one, 100), (one, 2 * MIB)) }];
+        assert_eq!(extent(&other, one, 100), Ok(one + 100));
+    }
+
+    #[test]
+    fn host_memory_pieces_are_walked_as_device_pieces() {
+        // A reservation backed by host memory (cuMemCreate with a host
+        // location) reports the whole reservation as its range: its pieces
+        // bound it, not the range.
+        let v = 0x7f70_0000_0000;
+        let mut r = reservation(v);
+        for p in &mut r {
+            p.kind = HOST;
+        }
+        assert_eq!(extent(&r, v + 2 * MIB - 8, 16), Ok(v + 4 * MIB), "across a seam");
+        assert_eq!(extent(&r, v + 6 * MIB - 8, 9), Err(RangeFault::PastEnd(v + 6 * MIB)), "into the unmapped piece");
+        r[1].rw = false;
+        assert_eq!(extent(&r, v + 2 * MIB, 16), Err(RangeFault::NoAccess), "a piece without access");
     }
 
     #[test]

@@ -659,6 +659,9 @@ impl CudaLayer {
             Err(e) => {
                 // `done` still holds an older call: wait for this one here,
                 // so no later call depends on a record that was not made.
+                // A queued error-record copy is not trusted then (the wait
+                // may have failed): the record is read again.
+                self.error_queued = false;
                 let _ = driver::stream_sync(s);
                 self.last_stream = usize::MAX;
                 Err(e)
@@ -873,6 +876,8 @@ impl LayerOps for CudaLayer {
         let launched = launched.and_then(|()| self.launch_swap(indices, window_len, count, self.strict, s, capture.is_some()));
         if self.strict && capture.is_none() {
             self.queue_error_read(s);
+        } else {
+            self.error_queued = false;
         }
         let launched = self.after_launch(s, capture.is_some(), launched);
         if self.strict {
@@ -944,6 +949,8 @@ impl LayerOps for CudaLayer {
         self.entries_pending = true;
         if capture.is_none() {
             self.queue_error_read(s);
+        } else {
+            self.error_queued = false;
         }
         self.after_launch(s, capture.is_some(), launched)
     }
