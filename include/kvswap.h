@@ -164,6 +164,9 @@ typedef struct KvswapLayerSpec {
   // `kvswap_destroy`.
   void *staging;
   // Bytes between consecutive slot rows of `staging`; 0 means `chunk_bytes`.
+  // At least `chunk_bytes`, and only with an engine `staging` buffer: a
+  // smaller stride, or a nonzero one with `staging` NULL (the library's
+  // own rows are `chunk_bytes` apart), is `KVSWAP_STATUS_INVALID_ARGUMENT`.
   uint64_t staging_stride;
 } KvswapLayerSpec;
 

@@ -77,7 +77,7 @@ impl Context {
             );
         } else {
             log::info!(
-                "kvswap: swap on backend={} layers={} swap_layers={} gpu_chunks={} index_topk={} window={} sync={} pinned_mib={:.1} cap_mib={}",
+                "kvswap: swap on backend={} layers={} swap_layers={} gpu_chunks={} index_topk={} window={} sync={} pinned_mib={:.2} cap_mib={}",
                 self.backend.kind().name(), self.plans.len(), swap_layers, c.gpu_chunks, c.index_topk, c.window,
                 c.sync as u8, host_bytes as f64 / (1 << 20) as f64, c.pinned_mib
             );

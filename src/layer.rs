@@ -48,6 +48,9 @@ pub struct KvswapLayerSpec {
     /// `kvswap_destroy`.
     pub staging: *mut c_void,
     /// Bytes between consecutive slot rows of `staging`; 0 means `chunk_bytes`.
+    /// At least `chunk_bytes`, and only with an engine `staging` buffer: a
+    /// smaller stride, or a nonzero one with `staging` NULL (the library's
+    /// own rows are `chunk_bytes` apart), is `KVSWAP_STATUS_INVALID_ARGUMENT`.
     pub staging_stride: u64,
 }
 
