@@ -136,9 +136,10 @@ fn path_arg(path: *const c_char) -> Result<PathBuf> {
 /// Errors: `KVSWAP_STATUS_IO` for a missing or unreadable file;
 /// `KVSWAP_STATUS_BAD_CHECKPOINT` for a wrong format tag, a missing or
 /// malformed metadata field, a missing or mis-shaped tensor, an unsupported
-/// dtype (F32, F16 and BF16 are accepted), a NaN/Inf weight, or a file
-/// whose size is not what its header describes (refused from the header,
-/// before the data is read), the message naming the field or tensor, what
+/// dtype (F32, F16 and BF16 are accepted), a NaN/Inf weight, a file
+/// whose size is not what its header describes, a header over 1 MiB or one
+/// that repeats a key (all refused from the header, before the data is
+/// read), the message naming the field or tensor, what
 /// was expected and what was found; `KVSWAP_STATUS_NULL_POINTER` for a NULL
 /// `path` or `out`; `KVSWAP_STATUS_INVALID_ARGUMENT` for an empty path,
 /// `device < -1`, a misaligned `out`, a bad `KVSWAP_FM_QUERY`,

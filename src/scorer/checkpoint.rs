@@ -8,7 +8,9 @@
 //! each F32, F16 or BF16 (tensors may differ), every element finite.
 //! Tensors whose names do not start with `scorers.` are ignored (a training
 //! script may leave its own); any other `scorers.*` name is an error, as it
-//! means the file and `n_scorers` disagree.
+//! means the file and `n_scorers` disagree. The header is at most 1 MiB,
+//! names each key once, and has string metadata values; it is checked by
+//! streaming it before the data is read (`scan_header`).
 //!
 //! The file is read into memory and parsed by the `safetensors` crate (no
 //! mmap: the file may change on disk later without affecting a loaded
@@ -198,6 +200,14 @@ impl Checkpoint {
 
     /// Validates a checkpoint held in memory (the whole file).
     pub fn from_bytes(image: Vec<u8>) -> Result<Checkpoint> {
+        // The header scan of `load` (which checked the file's header before
+        // reading it), for images made in memory too.
+        let len = image.len() as u64;
+        let n = match image.get(..8) {
+            Some(b) => header_len(u64::from_le_bytes(b.try_into().unwrap()), len)?,
+            None => return Err(not_safetensors(len, "shorter than the 8-byte header length".into())),
+        };
+        scan_header(&image[8..8 + n as usize], len)?;
         let (header_len, st_meta) = SafeTensors::read_metadata(&image).map_err(|e| {
             bad(format!("not a valid safetensors file ({} bytes; truncated or corrupt?): {e}", image.len()))
         })?;
@@ -280,50 +290,393 @@ enum HeaderError {
 /// tag, and tensors whose data ends exactly at the end of the file.
 fn check_header(file: &mut std::fs::File, len: u64) -> std::result::Result<(), HeaderError> {
     use std::io::Read;
-    let not_st = |why: String| HeaderError::Bad(bad(format!("not a valid safetensors file ({len} bytes; truncated or corrupt?): {why}")));
     if len < 8 {
-        return Err(not_st("shorter than the 8-byte header length".into()));
+        return Err(HeaderError::Bad(not_safetensors(len, "shorter than the 8-byte header length".into())));
     }
     let mut n = [0u8; 8];
     file.read_exact(&mut n).map_err(HeaderError::Io)?;
-    let n = u64::from_le_bytes(n);
-    if n > HEADER_MAX {
-        return Err(not_st(format!("its header length field says {n} bytes, over the {HEADER_MAX}-byte limit")));
-    }
-    if 8 + n > len {
-        return Err(not_st(format!("its header length field says {n} bytes, past the end of the file")));
-    }
+    let n = header_len(u64::from_le_bytes(n), len).map_err(HeaderError::Bad)?;
     let mut header = vec![0u8; n as usize];
     file.read_exact(&mut header).map_err(HeaderError::Io)?;
-    let json: serde_json::Value = serde_json::from_slice(&header).map_err(|e| not_st(format!("its header is not JSON: {e}")))?;
-    format_check(json.get("__metadata__").and_then(|m| m.get("format")).map(|f| f.as_str().unwrap_or("(not a string)")))
-        .map_err(HeaderError::Bad)?;
+    scan_header(&header, len).map_err(HeaderError::Bad)
+}
+
+/// "not a valid safetensors file" for a file of `len` bytes, and why.
+fn not_safetensors(len: u64, why: String) -> Error {
+    bad(format!("not a valid safetensors file ({len} bytes; truncated or corrupt?): {why}"))
+}
+
+/// The header length field `n` of a file of `len` bytes, checked against
+/// HEADER_MAX and the file's size.
+fn header_len(n: u64, len: u64) -> Result<u64> {
+    if n > HEADER_MAX {
+        return Err(not_safetensors(len, format!("its header length field says {n} bytes, over kvswap's {HEADER_MAX}-byte limit")));
+    }
+    if 8 + n > len {
+        return Err(not_safetensors(len, format!("its header length field says {n} bytes, past the end of the file")));
+    }
+    Ok(n)
+}
+
+/// The checks of `check_header` on the header's bytes (of a file of `len`
+/// bytes): JSON whose top-level keys and metadata keys are unique, metadata
+/// values that are strings, the `flashmemory-v1` format tag, and tensors
+/// whose data ends exactly at the end of the file. It streams the JSON (no
+/// tree of it is built: a header of a million tiny objects would take ~100x
+/// its size as a `serde_json::Value`), so its memory is about the header's
+/// size; the `safetensors` crate parses the header afterwards.
+fn scan_header(header: &[u8], len: u64) -> Result<()> {
+    let n = header.len() as u64;
+    let scan: HeaderScan = serde_json::from_slice(header).map_err(|e| match e.classify() {
+        // Our own refusals (duplicates, non-string metadata) come as custom errors.
+        serde_json::error::Category::Data if e.to_string().starts_with(SCAN_MARK) => {
+            bad(e.to_string().trim_start_matches(SCAN_MARK).split(" at line ").next().unwrap_or_default().to_string())
+        }
+        serde_json::error::Category::Data => not_safetensors(len, format!("its header is JSON but not a safetensors header: {e}")),
+        _ => not_safetensors(len, format!("its header is not JSON: {e}")),
+    })?;
+    format_check(match &scan.format {
+        None => None,
+        Some(Scanned::Str(f)) => Some(f.as_str()),
+        Some(other) => return Err(bad(format!("metadata `format` is {}, not a string: expected {FM_CHECKPOINT_FORMAT:?}", other.kind()))),
+    })?;
     // Where the tensors' data ends (safetensors: the offsets tile the data
     // section, which ends the file). A malformed entry is left to
     // `from_bytes`, which names it; the file is then read whole, as its
     // size is what the header's other entries allow.
-    let mut data_end = 0u64;
-    if let Some(tensors) = json.as_object() {
-        for (name, t) in tensors {
-            if name == "__metadata__" {
-                continue;
-            }
-            match t.get("data_offsets").and_then(|o| o.as_array()).and_then(|o| o.get(1)).and_then(|e| e.as_u64()) {
-                Some(end) => data_end = data_end.max(end),
-                None => return Ok(()),
-            }
-        }
-    }
+    let Some(data_end) = scan.data_end else { return Ok(()) };
     // n <= HEADER_MAX; data_end comes from the file and may be anything.
     match data_end.checked_add(8 + n) {
-        Some(described) if described == len => {}
-        Some(described) => return Err(not_st(format!("its header describes {described} bytes"))),
-        None => return Err(not_st(format!("a tensor's data_offsets end at byte {data_end}, past any file"))),
+        Some(described) if described == len => Ok(()),
+        Some(described) => Err(not_safetensors(len, format!("its header describes {described} bytes"))),
+        None => Err(not_safetensors(len, format!("a tensor's data_offsets end at byte {data_end}, past any file"))),
+    }
+}
+
+/// kvswap's limit on a checkpoint's header: a `flashmemory-v1` header is
+/// about 20 KB at 64 scorers, and the `safetensors` crate's own limit (100
+/// MB) lets a header of tiny JSON objects take gigabytes while parsed.
+const HEADER_MAX: u64 = 1 << 20;
+
+/// A JSON name or string in an error message: escaped (no terminal control
+/// characters) and cut to 80 characters.
+pub(crate) fn shown(name: &str) -> String {
+    let mut out: String = name.chars().take(80).flat_map(char::escape_debug).collect();
+    if name.chars().nth(80).is_some() {
+        out.push_str("...");
+    }
+    out
+}
+
+/// What `scan_header` needs from the header, read by streaming it.
+struct HeaderScan {
+    /// `__metadata__.format`, as read (None: no such field or no metadata).
+    format: Option<Scanned>,
+    /// The largest data_offsets end, None when an entry has none that is a
+    /// pair of integers (left to `from_bytes`, which names the entry).
+    data_end: Option<u64>,
+}
+
+/// Prefix of the scan's own refusals among serde_json's errors.
+const SCAN_MARK: &str = "kvswap-header: ";
+
+/// A JSON value read by streaming: a string's text, an unsigned integer,
+/// the second of an array of two unsigned integers, or only its kind
+/// (nothing else is kept, so no tree of the value is built).
+enum Scanned {
+    Str(String),
+    Uint(u64),
+    Pair(u64, u64),
+    Other(&'static str),
+}
+
+impl Scanned {
+    fn kind(&self) -> &'static str {
+        match self {
+            Scanned::Str(_) => "a string",
+            Scanned::Uint(_) => "a number",
+            Scanned::Pair(..) => "an array",
+            Scanned::Other(k) => k,
+        }
+    }
+}
+
+/// The visits of a scalar value, as `Scanned` kinds (`$to` turns the kind
+/// into the visitor's value).
+macro_rules! visit_scalars {
+    ($value:ty, $to:expr) => {
+        fn visit_str<E>(self, v: &str) -> std::result::Result<$value, E> {
+            Ok($to(Scanned::Str(v.to_string())))
+        }
+        fn visit_bool<E>(self, _: bool) -> std::result::Result<$value, E> {
+            Ok($to(Scanned::Other("a boolean")))
+        }
+        fn visit_u64<E>(self, v: u64) -> std::result::Result<$value, E> {
+            Ok($to(Scanned::Uint(v)))
+        }
+        fn visit_i64<E>(self, v: i64) -> std::result::Result<$value, E> {
+            Ok($to(u64::try_from(v).map_or(Scanned::Other("a number"), Scanned::Uint)))
+        }
+        fn visit_f64<E>(self, _: f64) -> std::result::Result<$value, E> {
+            Ok($to(Scanned::Other("a number")))
+        }
+        fn visit_unit<E>(self) -> std::result::Result<$value, E> {
+            Ok($to(Scanned::Other("null")))
+        }
+    };
+}
+
+/// `visit_scalars` and the visit of an array: [u64, u64] is a `Pair`, any
+/// other array only its kind.
+macro_rules! visit_non_objects {
+    ($value:ty, $to:expr) => {
+        visit_scalars!($value, $to);
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut s: A) -> std::result::Result<$value, A::Error> {
+            let (mut count, mut pair, mut all_uint) = (0u64, [0u64; 2], true);
+            while let Some(e) = s.next_element::<Scanned>()? {
+                match e {
+                    Scanned::Uint(v) if count < 2 => pair[count as usize] = v,
+                    Scanned::Uint(_) => {}
+                    _ => all_uint = false,
+                }
+                count += 1;
+            }
+            Ok($to(if count == 2 && all_uint { Scanned::Pair(pair[0], pair[1]) } else { Scanned::Other("an array") }))
+        }
+    };
+}
+
+impl<'de> serde::Deserialize<'de> for Scanned {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::{IgnoredAny, MapAccess, Visitor};
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Scanned;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON value")
+            }
+            visit_non_objects!(Scanned, |v| v);
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> std::result::Result<Scanned, A::Error> {
+                while m.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Scanned::Other("an object"))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Reads a JSON object's entries by streaming: each key once (a repeated
+/// key is refused; `what` names the keys in the message), its value read by
+/// `value`.
+fn scan_object<'de, A: serde::de::MapAccess<'de>>(
+    m: &mut A,
+    what: &str,
+    mut value: impl FnMut(&str, &mut A) -> std::result::Result<(), A::Error>,
+) -> std::result::Result<(), A::Error> {
+    use serde::de::Error as _;
+    let mut seen = std::collections::HashSet::new();
+    while let Some(key) = m.next_key::<String>()? {
+        if !seen.insert(key.clone()) {
+            return Err(A::Error::custom(format!("{SCAN_MARK}{what} `{}` appears twice in the header", shown(&key))));
+        }
+        value(&key, m)?;
     }
     Ok(())
 }
-/// The safetensors crate's limit on a header's size.
-const HEADER_MAX: u64 = 100_000_000;
+
+/// The `__metadata__` object: unique keys, string values; its `format`.
+struct MetaScan(Option<Scanned>);
+
+impl<'de> serde::Deserialize<'de> for MetaScan {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::{Error as _, MapAccess, Visitor};
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = MetaScan;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("`__metadata__` as an object of strings")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> std::result::Result<MetaScan, A::Error> {
+                let mut format = None;
+                scan_object(&mut m, "metadata key", |key, m| {
+                    let v = m.next_value::<Scanned>()?;
+                    match v {
+                        _ if key == "format" => format = Some(v),
+                        Scanned::Str(_) => {}
+                        other => {
+                            return Err(A::Error::custom(format!(
+                                "{SCAN_MARK}metadata `{}` is {}: safetensors metadata values are strings (e.g. \"2\")",
+                                shown(key),
+                                other.kind()
+                            )))
+                        }
+                    }
+                    Ok(())
+                })?;
+                Ok(MetaScan(format))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+/// A tensor entry: the end of its data_offsets when they are a pair of
+/// integers (anything else is left to the `safetensors` crate), and a
+/// refusal naming nothing yet when its shape and dtype do not fill them.
+struct TensorScan {
+    /// data_offsets [start, end].
+    offsets: Option<(u64, u64)>,
+    /// "shape [..] of dtype X is N bytes, but its data_offsets span M".
+    mismatch: Option<String>,
+}
+
+/// Bytes per element of a safetensors dtype (None: sub-byte or unknown
+/// dtypes, left to the crate).
+fn dtype_bytes(dtype: &str) -> Option<u64> {
+    Some(match dtype {
+        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 1,
+        "U16" | "I16" | "F16" | "BF16" => 2,
+        "U32" | "I32" | "F32" => 4,
+        "U64" | "I64" | "F64" => 8,
+        _ => return None,
+    })
+}
+
+/// A tensor's shape read by streaming: its dimensions (the first 8 kept,
+/// for messages) and their product (None past u64).
+struct ShapeScan {
+    dims: Vec<u64>,
+    rank: usize,
+    elements: Option<u64>,
+}
+
+impl<'de> serde::Deserialize<'de> for ShapeScan {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
+        // Anything but an array of integers: no shape (left to the crate),
+        // the value consumed whole so that the scan goes on.
+        const NONE: ShapeScan = ShapeScan { dims: Vec::new(), rank: 0, elements: None };
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = ShapeScan;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a shape")
+            }
+            visit_scalars!(ShapeScan, |_| NONE);
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> std::result::Result<ShapeScan, A::Error> {
+                while m.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(NONE)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut s: A) -> std::result::Result<ShapeScan, A::Error> {
+                let (mut shape, mut valid) = (ShapeScan { dims: Vec::new(), rank: 0, elements: Some(1) }, true);
+                while let Some(d) = s.next_element::<Scanned>()? {
+                    let Scanned::Uint(d) = d else {
+                        valid = false;
+                        continue;
+                    };
+                    shape.rank += 1;
+                    if shape.dims.len() < 8 {
+                        shape.dims.push(d);
+                    }
+                    shape.elements = shape.elements.and_then(|e| e.checked_mul(d));
+                }
+                Ok(if valid { shape } else { NONE })
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for TensorScan {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::{IgnoredAny, MapAccess, Visitor};
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = TensorScan;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a tensor entry")
+            }
+            visit_non_objects!(TensorScan, |_| TensorScan { offsets: None, mismatch: None });
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> std::result::Result<TensorScan, A::Error> {
+                let (mut offsets, mut ok, mut dtype, mut shape) = (None, true, None, None);
+                scan_object(&mut m, "tensor field", |key, m| {
+                    match key {
+                        "data_offsets" => match m.next_value::<Scanned>()? {
+                            Scanned::Pair(a, e) => offsets = Some((a, e)),
+                            _ => ok = false,
+                        },
+                        "dtype" => {
+                            if let Scanned::Str(t) = m.next_value::<Scanned>()? {
+                                dtype = Some(t);
+                            }
+                        }
+                        // A malformed shape is left to the crate.
+                        "shape" => shape = Some(m.next_value::<ShapeScan>()?).filter(|s| s.rank > 0 || s.elements == Some(1)),
+                        _ => {
+                            m.next_value::<IgnoredAny>()?;
+                        }
+                    }
+                    Ok(())
+                })?;
+                Ok(TensorScan { offsets: offsets.filter(|_| ok), mismatch: None }.with_check(dtype, shape))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl TensorScan {
+    /// Checks that `shape` x `dtype` fills the data_offsets exactly (the
+    /// crate checks it too, but its message names no tensor).
+    fn with_check(mut self, dtype: Option<String>, shape: Option<ShapeScan>) -> TensorScan {
+        if let (Some(size), Some(shape)) = (dtype.as_deref().and_then(dtype_bytes), shape) {
+            let bytes = shape.elements.and_then(|e| e.checked_mul(size));
+            let dims = format!("{:?}{}", shape.dims, if shape.rank > shape.dims.len() { " (first 8)" } else { "" });
+            let t = dtype.unwrap_or_default();
+            match (bytes, self.offsets) {
+                (None, _) => self.mismatch = Some(format!("shape {dims} of dtype {t} is more bytes than any file")),
+                (Some(b), Some((a, e))) if e >= a && e - a != b => {
+                    self.mismatch = Some(format!("shape {dims} of dtype {t} is {b} bytes, but its data_offsets [{a}, {e}] hold {}", e - a))
+                }
+                _ => {}
+            }
+        }
+        self
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for HeaderScan {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::{Error as _, MapAccess, Visitor};
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = HeaderScan;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> std::result::Result<HeaderScan, A::Error> {
+                let (mut format, mut data_end, mut complete) = (None, 0u64, true);
+                scan_object(&mut m, "key", |key, m| {
+                    if key == "__metadata__" {
+                        format = m.next_value::<MetaScan>()?.0;
+                    } else {
+                        let t = m.next_value::<TensorScan>()?;
+                        if let Some(why) = t.mismatch {
+                            return Err(A::Error::custom(format!("{SCAN_MARK}tensor `{}`: {why}", shown(key))));
+                        }
+                        match t.offsets {
+                            Some((_, end)) => data_end = data_end.max(end),
+                            None => complete = false,
+                        }
+                    }
+                    Ok(())
+                })?;
+                Ok(HeaderScan { format, data_end: complete.then_some(data_end) })
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
 
 fn format_check(found: Option<&str>) -> Result<()> {
     match found {
@@ -368,8 +721,9 @@ fn int_field(name: &str, v: &str) -> Result<u32> {
         .ok_or_else(|| bad(format!("metadata `{name}` = {v:?}: expected a positive integer")))
 }
 
+/// `max` or `mean`, exactly (as numbers, no spaces).
 fn ensemble_field(v: &str) -> Result<Ensemble> {
-    match v.trim() {
+    match v {
         "max" => Ok(Ensemble::Max),
         "mean" => Ok(Ensemble::Mean),
         _ => Err(bad(format!("metadata `ensemble` = {v:?}: expected \"max\" or \"mean\""))),
@@ -385,7 +739,8 @@ fn check_no_stray_scorers(st: &Metadata, meta: &Meta) -> Result<()> {
     match stray.first() {
         None => Ok(()),
         Some(n) => Err(bad(format!(
-            "tensor `{n}` is not expected: with n_scorers = {} the scorer tensors are scorers.{{0..{}}}.wq and .ww",
+            "tensor `{}` is not expected: with n_scorers = {} the scorer tensors are scorers.{{0..{}}}.wq and .ww",
+            shown(n),
             meta.n_scorers,
             meta.n_scorers - 1
         ))),
@@ -479,6 +834,78 @@ mod tests {
         let e = Checkpoint::load(&path).unwrap_err();
         std::fs::remove_file(&path).unwrap();
         assert_eq!(e.status, KvswapStatus::BadCheckpoint, "{e}");
-        assert!(e.message.contains("past any file"), "{e}");
+        // The scan names the tensor whose shape does not fill its offsets
+        // (before the data's end is summed).
+        assert!(e.message.contains("tensor `scorers.0.wq`") && e.message.contains("18446744073709551615"), "{e}");
+    }
+
+    /// A valid checkpoint's header text and data, and the file they make
+    /// once `edit` has changed the header.
+    fn edited(edit: impl Fn(&str) -> String) -> Vec<u8> {
+        let bytes = write::to_bytes(&meta(), &write::random(&meta(), WeightDtype::F32, 3).unwrap()).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header = edit(std::str::from_utf8(&bytes[8..8 + n]).unwrap());
+        let mut out = (header.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(header.as_bytes());
+        out.extend_from_slice(&bytes[8 + n..]);
+        out
+    }
+
+    fn refused(file: Vec<u8>) -> String {
+        let e = Checkpoint::from_bytes(file).unwrap_err();
+        assert_eq!(e.status, KvswapStatus::BadCheckpoint, "{e}");
+        e.message
+    }
+
+    #[test]
+    fn header_keys_are_unique_and_metadata_values_strings() {
+        assert!(Checkpoint::from_bytes(edited(|h| h.to_string())).is_ok(), "the unedited file loads");
+        // A repeated key: the JSON parser would keep the last one.
+        let e = refused(edited(|h| h.replacen("\"format\":\"flashmemory-v1\"", "\"format\":\"other\",\"format\":\"flashmemory-v1\"", 1)));
+        assert!(e.contains("metadata key `format` appears twice"), "{e}");
+        let e = refused(edited(|h| h.replacen("{\"__metadata__\"", "{\"scorers.0.wq\":{},\"__metadata__\"", 1)));
+        assert!(e.contains("key `scorers.0.wq` appears twice"), "{e}");
+        // Metadata values are strings; the message names the field.
+        let e = refused(edited(|h| h.replacen("\"n_scorers\":\"2\"", "\"n_scorers\":2", 1)));
+        assert!(e.contains("metadata `n_scorers` is a number") && e.contains("strings"), "{e}");
+        let e = refused(edited(|h| h.replacen("\"format\":\"flashmemory-v1\"", "\"format\":1", 1)));
+        assert!(e.contains("metadata `format` is a number, not a string"), "{e}");
+        // Not an object where the metadata is: JSON, but not a safetensors header.
+        let e = refused(edited(|h| h.replacen("\"__metadata__\":{", "\"__metadata__\":\"x\",\"m\":{", 1)));
+        assert!(e.contains("not a safetensors header"), "{e}");
+    }
+
+    #[test]
+    fn headers_over_a_mebibyte_are_refused_before_parsing() {
+        let mut file = ((1u64 << 20) + 1).to_le_bytes().to_vec();
+        file.resize(8 + (1 << 20) + 64, b' ');
+        let e = refused(file);
+        assert!(e.contains("over kvswap's 1048576-byte limit"), "{e}");
+        // Within the limit, a header of many small objects (~100x its size
+        // as a serde_json tree) is read by streaming and refused by kind.
+        let junk = format!("\"__metadata__\":{{\"junk\":[{}],", vec!["{\"\":0}"; 100_000].join(","));
+        let e = refused(edited(|h| h.replacen("\"__metadata__\":{", &junk, 1)));
+        assert!(e.contains("metadata `junk` is an array"), "{e}");
+    }
+
+    #[test]
+    fn names_in_messages_are_escaped_and_cut() {
+        let e = refused(edited(|h| h.replacen("\"scorers.1.ww\"", "\"scorers.\\u001b[2J\"", 1)));
+        assert!(e.contains("scorers.\\u{1b}[2J") && !e.contains('\u{1b}'), "{e}");
+        let long = "x".repeat(1000);
+        assert_eq!(shown(&long).len(), 83, "80 characters and an ellipsis");
+        assert_eq!(shown("a\tb\u{7}"), "a\\tb\\u{7}");
+    }
+
+    #[test]
+    fn shape_and_dtype_that_do_not_fill_the_offsets_name_the_tensor() {
+        let e = refused(edited(|h| h.replacen("\"shape\":[6,5]", "\"shape\":[12,5]", 1)));
+        assert!(e.contains("tensor `scorers.0.wq`: shape [12, 5] of dtype F32 is 240 bytes, but its data_offsets"), "{e}");
+        let e = refused(edited(|h| h.replacen("\"shape\":[6,5]", "\"shape\":[4294967296,4294967296]", 1)));
+        assert!(e.contains("tensor `scorers.0.wq`") && e.contains("more bytes than any file"), "{e}");
+        // A shape that is not integers: still refused (by the crate), and the
+        // scan reads past it (not "not JSON").
+        let e = refused(edited(|h| h.replacen("\"shape\":[6,5]", "\"shape\":[6,\"x\"]", 1)));
+        assert!(!e.contains("not JSON"), "{e}");
     }
 }

@@ -121,7 +121,7 @@ pub fn render(path: &str, i: &CheckpointInfo) -> String {
         );
     }
     for (name, dtype, shape) in &i.ignored {
-        s += &format!("  ignored tensor {name}: {dtype} {shape:?}\n");
+        s += &format!("  ignored tensor {}: {dtype} {shape:?}\n", super::checkpoint::shown(name));
     }
     s
 }
