@@ -122,7 +122,7 @@ typedef struct KvswapConfig {
   // `gpu_chunks` selected ids (more is `KVSWAP_STATUS_OUT_OF_RANGE`), so
   // the engine passes the first `gpu_chunks` of its descending top-k.
   uint32_t test_allow_topk_reduction;
-  // k of the global top-k. `KVSWAP_INDEX_TOPK`, default 512.
+  // k of the global top-k, 1 to 2^30 - 1. `KVSWAP_INDEX_TOPK`, default 512.
   uint32_t index_topk;
   // Sliding-window tokens read besides the selected chunks. `KVSWAP_WINDOW`, default 128.
   // `kvswap_create` checks that `window` + a layer's slots stay below 2^30

@@ -59,7 +59,7 @@ pub struct KvswapConfig {
     /// `gpu_chunks` selected ids (more is `KVSWAP_STATUS_OUT_OF_RANGE`), so
     /// the engine passes the first `gpu_chunks` of its descending top-k.
     pub test_allow_topk_reduction: u32,
-    /// k of the global top-k. `KVSWAP_INDEX_TOPK`, default 512.
+    /// k of the global top-k, 1 to 2^30 - 1. `KVSWAP_INDEX_TOPK`, default 512.
     pub index_topk: u32,
     /// Sliding-window tokens read besides the selected chunks. `KVSWAP_WINDOW`, default 128.
     /// `kvswap_create` checks that `window` + a layer's slots stay below 2^30
@@ -170,7 +170,10 @@ pub fn env_names() -> impl Iterator<Item = (&'static str, Option<&'static str>)>
 }
 
 fn bad(var: &str, value: &str, expected: &str) -> Error {
-    Error::invalid(format!("{var}={value:?} is not a valid value: expected {expected}"))
+    // A long value is quoted by its first 64 characters (the message stays
+    // readable; a megabyte of digits would otherwise be quoted whole).
+    let shown = if value.chars().nth(64).is_some() { format!("{:?}...", value.chars().take(64).collect::<String>()) } else { format!("{value:?}") };
+    Error::invalid(format!("{var}={shown} is not a valid value: expected {expected}"))
 }
 
 fn parse_bool(var: &str, v: &str) -> Result<bool> {
@@ -186,7 +189,10 @@ fn parse_uint<T: TryFrom<u128>>(var: &str, v: &str, what: &str) -> Result<T> {
     if t.starts_with('-') {
         return Err(bad(var, v, &format!("{what}; negative values are refused")));
     }
-    let n = t.parse::<u128>().map_err(|_| bad(var, v, what))?;
+    let n = t.parse::<u128>().map_err(|e| match e.kind() {
+        std::num::IntErrorKind::PosOverflow => bad(var, v, &format!("{what}; this one is too large")),
+        _ => bad(var, v, what),
+    })?;
     T::try_from(n).map_err(|_| bad(var, v, &format!("{what}; this one is too large")))
 }
 
@@ -198,13 +204,6 @@ fn parse_count(var: &str, v: &str, what: &str, zero_ok: bool) -> Result<u32> {
         return Err(bad(var, v, &format!("{what}, at most {ID_COUNT_MAX}")));
     }
     Ok(n)
-}
-
-fn parse_nonzero(var: &str, v: &str, what: &str) -> Result<u32> {
-    match parse_uint::<u32>(var, v, what)? {
-        0 => Err(bad(var, v, what)),
-        n => Ok(n),
-    }
 }
 
 impl Config {
@@ -289,7 +288,7 @@ impl Config {
             "KVSWAP_TEST_ALLOW_TOPK_REDUCTION" => {
                 self.test_allow_topk_reduction = parse_bool(used, v)?
             }
-            "KVSWAP_INDEX_TOPK" => self.index_topk = parse_nonzero(used, v, "a chunk count >= 1")?,
+            "KVSWAP_INDEX_TOPK" => self.index_topk = parse_count(used, v, "a chunk count >= 1", false)?,
             "KVSWAP_WINDOW" => self.window = parse_count(used, v, "a token count", true)?,
             "KVSWAP_FM_CKPT" => {
                 if v.len() >= KVSWAP_PATH_MAX || v.contains('\0') {
@@ -336,6 +335,9 @@ impl Config {
         }
         if self.index_topk == 0 {
             return Err(Error::invalid("index_topk must be >= 1 (KVSWAP_INDEX_TOPK)"));
+        }
+        if self.index_topk as u64 > ID_COUNT_MAX {
+            return Err(Error::invalid(format!("index_topk={} is too large: at most {ID_COUNT_MAX} (KVSWAP_INDEX_TOPK)", self.index_topk)));
         }
         if self.window as u64 > ID_COUNT_MAX {
             return Err(Error::invalid(format!("window={} is too large (KVSWAP_WINDOW)", self.window)));
@@ -606,6 +608,13 @@ mod tests {
         }
         let e = Config::from_lookup(env(&[("KVSWAP_GPU_CHUNKS", "0")])).unwrap_err();
         assert!(e.message.contains("KVSWAP_GPU_CHUNKS=\"0\""), "{e}");
+        // index_topk has the cap of the other counts; a number past u128 is
+        // "too large"; a long value is quoted by its start.
+        let e = Config::from_lookup(env(&[("KVSWAP_INDEX_TOPK", "4294967295")])).unwrap_err();
+        assert!(e.message.contains(&format!("at most {ID_COUNT_MAX}")), "{e}");
+        let long = "9".repeat(1 << 20);
+        let e = Config::from_lookup(env(&[("KVSWAP_GPU_CHUNKS", long.as_str())])).unwrap_err();
+        assert!(e.message.contains("too large") && e.message.len() < 300, "{}", &e.message[..e.message.len().min(300)]);
         let e = Config::from_lookup(env(&[("POCKETLLM_GGUF_KV_SWAP_GPU_CHUNKS", "0")])).unwrap_err();
         assert!(e.message.contains("POCKETLLM_GGUF_KV_SWAP_GPU_CHUNKS=\"0\""), "an alias is named as set: {e}");
         let long = "x".repeat(KVSWAP_PATH_MAX + 10);

@@ -396,16 +396,20 @@ fn prefill(ctx: &Context, p: &DemoParams) -> Result<()> {
     const BATCH: usize = 1024;
     let n = p.chunk_bytes();
     let total = p.initial_chunks() as u32;
-    let mut rows = vec![0u8; n * BATCH];
+    // One batch of rows (no more than the prompt's chunks), or
+    // OUT_OF_MEMORY rather than an abort (chunks may be up to 1 GiB).
+    let batch_rows = BATCH.min(total as usize).max(1);
+    let mut rows = crate::error::try_vec(n * batch_rows, "the prefill rows")?;
+    rows.resize(n * batch_rows, 0);
     for layer in 0..ctx.n_layers() {
         let mut first = 0u32;
         while first < total {
-            let ids: Vec<i32> = (first..total.min(first + BATCH as u32)).map(|i| i as i32).collect();
+            let ids: Vec<i32> = (first..total.min(first + batch_rows as u32)).map(|i| i as i32).collect();
             for (k, &id) in ids.iter().enumerate() {
                 fill_chunk(&mut rows[k * n..(k + 1) * n], layer, id as u32);
             }
             ctx.store_rows(layer, &ids, &rows[..ids.len() * n])?;
-            first += BATCH as u32;
+            first += batch_rows as u32;
         }
     }
     Ok(())

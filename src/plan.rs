@@ -270,9 +270,10 @@ impl ModelOverrides {
     }
 }
 
-/// Parses a token count: `1M` (1,048,576), `256K` (262,144), `8k`, or a plain
-/// integer (`_` and `,` separators allowed). K = 1024, M = 1024 x 1024.
-/// `what` names the flag in errors.
+/// Parses a token count: `1M` (1,048,576), `256K` (262,144), `8k`, `1G`, or a
+/// plain integer, optionally grouped in thousands by `_` or `,`
+/// (`1,048,576`; `1,5K` is refused, not read as 15K). K = 1024, M = 1024 x
+/// 1024, G = 1024^3. `what` names the flag in errors.
 pub fn parse_tokens(what: &str, s: &str) -> Result<u64, PlanError> {
     let t = s.trim();
     let (digits, mult) = match t.chars().last() {
@@ -281,10 +282,22 @@ pub fn parse_tokens(what: &str, s: &str) -> Result<u64, PlanError> {
         Some('g' | 'G') => (&t[..t.len() - 1], 1u64 << 30),
         _ => (t, 1),
     };
-    let clean: String = digits.chars().filter(|c| *c != '_' && *c != ',').collect();
-    let n: u64 = clean
-        .parse()
-        .map_err(|_| PlanError::new(what, s, "expected a token count such as 8K, 256K, 1M or 1048576 (K = 1024)"))?;
+    let usage = "expected a token count such as 8K, 256K, 1M or 1048576 (K = 1024)";
+    // Separators only between thousands: a first group of 1-3 digits, then
+    // groups of exactly 3, all split by the same separator.
+    let groups: Vec<&str> = digits.split(['_', ',']).collect();
+    let grouped = groups.len() == 1
+        || (digits.contains('_') != digits.contains(',')
+            && (1..=3).contains(&groups[0].len())
+            && groups[1..].iter().all(|g| g.len() == 3));
+    if !grouped {
+        return Err(PlanError::new(what, s, format!("{usage}; `_` or `,` only between groups of three digits (1,048,576)")));
+    }
+    let clean: String = groups.concat();
+    if clean.is_empty() || !clean.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(PlanError::new(what, s, usage));
+    }
+    let n: u64 = clean.parse().map_err(|_| PlanError::new(what, s, "too large"))?;
     let n = n.checked_mul(mult).ok_or_else(|| PlanError::new(what, s, "too large"))?;
     if n == 0 {
         return Err(PlanError::new(what, s, "must be at least 1 token"));
@@ -843,7 +856,16 @@ mod tests {
         assert_eq!(parse_tokens("--context", "256k").unwrap(), 262_144);
         assert_eq!(parse_tokens("--context", "8K").unwrap(), 8_192);
         assert_eq!(parse_tokens("--context", "1_000").unwrap(), 1_000);
+        assert_eq!(parse_tokens("--context", "1,048,576").unwrap(), 1_048_576);
+        assert_eq!(parse_tokens("--context", "1G").unwrap(), 1 << 30);
         assert!(parse_tokens("--context", "99999999999999G").is_err());
+        // Separators only between thousands: a decimal comma is not x10.
+        for bad in ["1,5K", "1,,,K", "1__0", "1,000_000", "1234,567", ",123", "123,"] {
+            let e = parse_tokens("--context", bad).unwrap_err();
+            assert!(e.reason.contains("groups of three digits"), "{bad}: {e}");
+        }
+        let e = parse_tokens("--context", "99999999999999999999999").unwrap_err();
+        assert_eq!(e.reason, "too large", "{e}");
         let e = plan(&Model::default(), u64::MAX / 2).unwrap_err();
         assert!(e.reason.contains("overflow"), "{e}");
         for bad in ["0", "0K", "", "K", "1.5M", "-3", "ten"] {

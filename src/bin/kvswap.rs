@@ -384,6 +384,12 @@ fn check_output_path(flag: &str, path: &Path) -> Result<(), Failure> {
         return refuse(format!("{} is not a folder", parent.display()));
     }
     let opened = if path.exists() {
+        // A FIFO or device is written when the run ends, not opened here:
+        // opening a FIFO blocks for a reader, and closing it would end the
+        // reader's input before the real write.
+        if !path.metadata().is_ok_and(|m| m.is_file()) {
+            return Ok(());
+        }
         std::fs::OpenOptions::new().append(true).open(path).map(drop)
     } else {
         std::fs::OpenOptions::new().write(true).create_new(true).open(path).and_then(|f| {

@@ -177,7 +177,12 @@ impl Checkpoint {
         use std::io::{Read, Seek, SeekFrom};
         let io = |e: std::io::Error| Error::new(KvswapStatus::Io, format!("cannot read checkpoint {}: {e}", path.display()));
         let named = |e: Error| Error::new(e.status, format!("checkpoint {}: {}", path.display(), e.message));
-        let mut file = std::fs::File::open(path).map_err(io)?;
+        // Opened without blocking (a FIFO would wait for a writer), then
+        // refused unless it is a regular file (reads ignore the flag there).
+        let mut file = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).map_err(io)?
+        };
         let meta = file.metadata().map_err(io)?;
         if !meta.is_file() {
             // A device or pipe (/dev/zero) would be read without end.
