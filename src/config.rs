@@ -170,10 +170,17 @@ pub fn env_names() -> impl Iterator<Item = (&'static str, Option<&'static str>)>
 }
 
 fn bad(var: &str, value: &str, expected: &str) -> Error {
-    // A long value is quoted by its first 64 characters (the message stays
-    // readable; a megabyte of digits would otherwise be quoted whole).
-    let shown = if value.chars().nth(64).is_some() { format!("{:?}...", value.chars().take(64).collect::<String>()) } else { format!("{value:?}") };
-    Error::invalid(format!("{var}={shown} is not a valid value: expected {expected}"))
+    Error::invalid(format!("{var}={} is not a valid value: expected {expected}", quoted(value)))
+}
+
+/// A setting's value in a message: quoted, a long one by its first 64
+/// characters (a megabyte of digits would otherwise be quoted whole).
+fn quoted(value: &str) -> String {
+    if value.chars().nth(64).is_some() {
+        format!("{:?}...", value.chars().take(64).collect::<String>())
+    } else {
+        format!("{value:?}")
+    }
 }
 
 fn parse_bool(var: &str, v: &str) -> Result<bool> {
@@ -266,7 +273,13 @@ impl Config {
         let mut c = Config::default();
         for var in VARS {
             let (used, value) = match lookup(var.name) {
-                Some(v) => (var.name, v),
+                Some(v) => {
+                    // Both set, to different values: the kvswap name wins, said once.
+                    if let Some((a, w)) = var.alias.and_then(|a| lookup(a).map(|w| (a, w))).filter(|(_, w)| w.trim() != v.trim()) {
+                        log::warn!("kvswap: {}={} and {a}={} are both set: {} is used", var.name, quoted(&v), quoted(&w), var.name);
+                    }
+                    (var.name, v)
+                }
                 None => match var.alias.and_then(|a| lookup(a).map(|v| (a, v))) {
                     Some(p) => p,
                     None => continue,

@@ -167,7 +167,8 @@ pub extern "C" fn kvswap_config_default(out: *mut KvswapConfig) -> KvswapStatus 
 }
 
 /// Fills `*out` with the defaults overridden by the `KVSWAP_*` environment
-/// variables (and their `POCKETLLM_GGUF_*` aliases; the `KVSWAP_` name wins).
+/// variables (and their `POCKETLLM_GGUF_*` aliases; the `KVSWAP_` name wins, with a warning
+/// when both are set to different values).
 /// A bad value returns `KVSWAP_STATUS_INVALID_ARGUMENT` naming the variable
 /// (`*out` unchanged), as does a misaligned `out`; a NULL `out` is
 /// `KVSWAP_STATUS_NULL_POINTER`.
