@@ -22,8 +22,9 @@ mod scorer;
 pub use scorer::*;
 
 /// An engine stream: a `CUstream` on the CUDA backend (NULL is refused there:
-/// kvswap never uses the legacy default stream; `kvswap_sync` alone takes
-/// NULL, see there; `CU_STREAM_LEGACY` is refused too); ignored on the CPU
+/// kvswap never uses the legacy default stream; `kvswap_sync` and
+/// `kvswap_layer_sync` alone take NULL, waiting for no stream, see there;
+/// `CU_STREAM_LEGACY` is refused too); ignored on the CPU
 /// backend. Swap-ins can be captured into a CUDA graph only with
 /// `KVSWAP_SYNC=0` (a synchronous one waits for the device: refused with
 /// KVSWAP_STATUS_INVALID_ARGUMENT while its stream is captured); stores and
