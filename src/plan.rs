@@ -322,7 +322,10 @@ pub fn parse_layers(s: &str) -> Result<Vec<LayerClass>, PlanError> {
             .split_once(['x', 'X', '*'])
             .ok_or_else(|| bad(&format!("{part:?} is not COUNTxRATIO (expected e.g. 20x4,21x128)")))?;
         let num = |v: &str, name: &str| {
-            v.trim().parse::<u32>().map_err(|_| bad(&format!("{name} {v:?} in {part:?} is not a whole number")))
+            v.trim().parse::<u32>().map_err(|e| match e.kind() {
+                std::num::IntErrorKind::PosOverflow => bad(&format!("{name} {v:?} in {part:?} is too large (at most {})", u32::MAX)),
+                _ => bad(&format!("{name} {v:?} in {part:?} is not a whole number")),
+            })
         };
         let class = LayerClass { count: num(count, "count")?, ratio: num(ratio, "ratio")? };
         if class.count == 0 {
@@ -886,6 +889,8 @@ mod tests {
         }
         assert!(parse_layers("20x0").unwrap_err().reason.contains("ratio"));
         assert!(parse_layers("20x4,").unwrap_err().reason.contains("stray comma"));
+        assert!(parse_layers("4294967296x1").unwrap_err().reason.contains("too large"));
+        assert!(parse_layers("2.5x1").unwrap_err().reason.contains("not a whole number"));
         assert!(parse_layers("").unwrap_err().reason.contains("no layer class"));
     }
 
