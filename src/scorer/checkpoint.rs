@@ -332,7 +332,7 @@ fn header_len(n: u64, len: u64) -> Result<u64> {
 /// size; the `safetensors` crate parses the header afterwards.
 fn scan_header(header: &[u8], len: u64) -> Result<()> {
     let n = header.len() as u64;
-    let scan: HeaderScan = serde_json::from_slice(header).map_err(|e| match e.classify() {
+    let Scan(scan): Scan<HeaderScan> = serde_json::from_slice(header).map_err(|e| match e.classify() {
         // Our own refusals (duplicates, non-string metadata) come as custom errors.
         serde_json::error::Category::Data if e.to_string().starts_with(SCAN_MARK) => {
             bad(e.to_string().trim_start_matches(SCAN_MARK).split(" at line ").next().unwrap_or_default().to_string())
@@ -349,7 +349,10 @@ fn scan_header(header: &[u8], len: u64) -> Result<()> {
     // section, which ends the file). A malformed entry is left to
     // `from_bytes`, which names it; the file is then read whole, as its
     // size is what the header's other entries allow.
-    let Some(data_end) = scan.data_end else { return Ok(()) };
+    if scan.incomplete {
+        return Ok(());
+    }
+    let data_end = scan.data_end;
     // n <= HEADER_MAX; data_end comes from the file and may be anything.
     match data_end.checked_add(8 + n) {
         Some(described) if described == len => Ok(()),
@@ -374,12 +377,15 @@ pub(crate) fn shown(name: &str) -> String {
 }
 
 /// What `scan_header` needs from the header, read by streaming it.
+#[derive(Default)]
 struct HeaderScan {
     /// `__metadata__.format`, as read (None: no such field or no metadata).
     format: Option<Scanned>,
-    /// The largest data_offsets end, None when an entry has none that is a
-    /// pair of integers (left to `from_bytes`, which names the entry).
-    data_end: Option<u64>,
+    /// The largest data_offsets end.
+    data_end: u64,
+    /// An entry has no data_offsets that are a pair of integers (left to
+    /// `from_bytes`, which names the entry): `data_end` says nothing.
+    incomplete: bool,
 }
 
 /// Prefix of the scan's own refusals among serde_json's errors.
@@ -406,27 +412,27 @@ impl Scanned {
     }
 }
 
-/// The visits of a scalar value, as `Scanned` kinds (`$to` turns the kind
-/// into the visitor's value).
+/// The visits of a scalar value, as `Scanned` values (`$to` turns one into
+/// the visitor's result).
 macro_rules! visit_scalars {
     ($value:ty, $to:expr) => {
-        fn visit_str<E>(self, v: &str) -> std::result::Result<$value, E> {
-            Ok($to(Scanned::Str(v.to_string())))
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<$value, E> {
+            $to(Scanned::Str(v.to_string()))
         }
-        fn visit_bool<E>(self, _: bool) -> std::result::Result<$value, E> {
-            Ok($to(Scanned::Other("a boolean")))
+        fn visit_bool<E: serde::de::Error>(self, _: bool) -> std::result::Result<$value, E> {
+            $to(Scanned::Other("a boolean"))
         }
-        fn visit_u64<E>(self, v: u64) -> std::result::Result<$value, E> {
-            Ok($to(Scanned::Uint(v)))
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> std::result::Result<$value, E> {
+            $to(Scanned::Uint(v))
         }
-        fn visit_i64<E>(self, v: i64) -> std::result::Result<$value, E> {
-            Ok($to(u64::try_from(v).map_or(Scanned::Other("a number"), Scanned::Uint)))
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> std::result::Result<$value, E> {
+            $to(u64::try_from(v).map_or(Scanned::Other("a number"), Scanned::Uint))
         }
-        fn visit_f64<E>(self, _: f64) -> std::result::Result<$value, E> {
-            Ok($to(Scanned::Other("a number")))
+        fn visit_f64<E: serde::de::Error>(self, _: f64) -> std::result::Result<$value, E> {
+            $to(Scanned::Other("a number"))
         }
-        fn visit_unit<E>(self) -> std::result::Result<$value, E> {
-            Ok($to(Scanned::Other("null")))
+        fn visit_unit<E: serde::de::Error>(self) -> std::result::Result<$value, E> {
+            $to(Scanned::Other("null"))
         }
     };
 }
@@ -446,7 +452,7 @@ macro_rules! visit_non_objects {
                 }
                 count += 1;
             }
-            Ok($to(if count == 2 && all_uint { Scanned::Pair(pair[0], pair[1]) } else { Scanned::Other("an array") }))
+            $to(if count == 2 && all_uint { Scanned::Pair(pair[0], pair[1]) } else { Scanned::Other("an array") })
         }
     };
 }
@@ -460,7 +466,7 @@ impl<'de> serde::Deserialize<'de> for Scanned {
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str("a JSON value")
             }
-            visit_non_objects!(Scanned, |v| v);
+            visit_non_objects!(Scanned, Ok);
             fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> std::result::Result<Scanned, A::Error> {
                 while m.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
                 Ok(Scanned::Other("an object"))
@@ -470,69 +476,91 @@ impl<'de> serde::Deserialize<'de> for Scanned {
     }
 }
 
-/// Reads a JSON object's entries by streaming: each key once (a repeated
-/// key is refused; `what` names the keys in the message), its value read by
-/// `value`.
-fn scan_object<'de, A: serde::de::MapAccess<'de>>(
-    m: &mut A,
-    what: &str,
-    mut value: impl FnMut(&str, &mut A) -> std::result::Result<(), A::Error>,
-) -> std::result::Result<(), A::Error> {
-    use serde::de::Error as _;
-    let mut seen = std::collections::HashSet::new();
-    while let Some(key) = m.next_key::<String>()? {
-        if !seen.insert(key.clone()) {
-            return Err(A::Error::custom(format!("{SCAN_MARK}{what} `{}` appears twice in the header", shown(&key))));
-        }
-        value(&key, m)?;
+/// An object of the header read by streaming, entry by entry (the header
+/// itself, its metadata, a tensor entry), through `Scan<T>`: each key once
+/// (a repeated key is refused), its value read by `entry`.
+trait ObjectScan: Default {
+    /// What it is, in serde's messages.
+    const WHAT: &'static str;
+    /// Whose keys, in the repeated-key message.
+    const KEYS: &'static str;
+    /// Reads the value of `key` from `m`.
+    fn entry<'de, A: serde::de::MapAccess<'de>>(&mut self, key: &str, m: &mut A) -> std::result::Result<(), A::Error>;
+    /// Accepts a value that is not an object, of that kind (a tensor entry:
+    /// left to the crate), or refuses it (None).
+    fn not_object(_kind: &'static str) -> Option<Self> {
+        None
     }
-    Ok(())
 }
 
-/// The `__metadata__` object: unique keys, string values; its `format`.
-struct MetaScan(Option<Scanned>);
+/// `T` read by streaming.
+struct Scan<T>(T);
 
-impl<'de> serde::Deserialize<'de> for MetaScan {
+/// `Scan<T>` for a value that is not an object: `T::not_object`, or an error.
+fn not_object<T: ObjectScan, E: serde::de::Error>(v: Scanned) -> std::result::Result<Scan<T>, E> {
+    T::not_object(v.kind()).map(Scan).ok_or_else(|| E::custom(format!("expected {}, found {}", T::WHAT, v.kind())))
+}
+
+impl<'de, T: ObjectScan> serde::Deserialize<'de> for Scan<T> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         use serde::de::{Error as _, MapAccess, Visitor};
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = MetaScan;
+        struct V<T>(std::marker::PhantomData<T>);
+        impl<'de, T: ObjectScan> Visitor<'de> for V<T> {
+            type Value = Scan<T>;
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("`__metadata__` as an object of strings")
+                f.write_str(T::WHAT)
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> std::result::Result<MetaScan, A::Error> {
-                let mut format = None;
-                scan_object(&mut m, "metadata key", |key, m| {
-                    let v = m.next_value::<Scanned>()?;
-                    match v {
-                        _ if key == "format" => format = Some(v),
-                        Scanned::Str(_) => {}
-                        other => {
-                            return Err(A::Error::custom(format!(
-                                "{SCAN_MARK}metadata `{}` is {}: safetensors metadata values are strings (e.g. \"2\")",
-                                shown(key),
-                                other.kind()
-                            )))
-                        }
+            visit_non_objects!(Scan<T>, not_object::<T, _>);
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> std::result::Result<Scan<T>, A::Error> {
+                let (mut t, mut seen) = (T::default(), std::collections::HashSet::new());
+                while let Some(key) = m.next_key::<String>()? {
+                    if !seen.insert(key.clone()) {
+                        return Err(A::Error::custom(format!("{SCAN_MARK}{} `{}` appears twice in the header", T::KEYS, shown(&key))));
                     }
-                    Ok(())
-                })?;
-                Ok(MetaScan(format))
+                    t.entry(&key, &mut m)?;
+                }
+                Ok(Scan(t))
             }
         }
-        d.deserialize_map(V)
+        d.deserialize_any(V(std::marker::PhantomData))
     }
 }
 
-/// A tensor entry: the end of its data_offsets when they are a pair of
-/// integers (anything else is left to the `safetensors` crate), and a
-/// refusal naming nothing yet when its shape and dtype do not fill them.
+/// The `__metadata__` object: string values; its `format`.
+#[derive(Default)]
+struct MetaScan {
+    format: Option<Scanned>,
+}
+
+impl ObjectScan for MetaScan {
+    const WHAT: &'static str = "`__metadata__` as an object of strings";
+    const KEYS: &'static str = "metadata key";
+    fn entry<'de, A: serde::de::MapAccess<'de>>(&mut self, key: &str, m: &mut A) -> std::result::Result<(), A::Error> {
+        use serde::de::Error as _;
+        match m.next_value::<Scanned>()? {
+            v if key == "format" => self.format = Some(v),
+            Scanned::Str(_) => {}
+            other => {
+                return Err(A::Error::custom(format!(
+                    "{SCAN_MARK}metadata `{}` is {}: safetensors metadata values are strings (e.g. \"2\")",
+                    shown(key),
+                    other.kind()
+                )))
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A tensor entry: its data_offsets, dtype and shape as far as they are
+/// well-formed (anything else is left to the `safetensors` crate).
+#[derive(Default)]
 struct TensorScan {
-    /// data_offsets [start, end].
     offsets: Option<(u64, u64)>,
-    /// "shape [..] of dtype X is N bytes, but its data_offsets span M".
-    mismatch: Option<String>,
+    /// data_offsets given, but not a pair of integers.
+    bad_offsets: bool,
+    dtype: Option<String>,
+    shape: Option<ShapeScan>,
 }
 
 /// Bytes per element of a safetensors dtype (None: sub-byte or unknown
@@ -548,7 +576,9 @@ fn dtype_bytes(dtype: &str) -> Option<u64> {
 }
 
 /// A tensor's shape read by streaming: its dimensions (the first 8 kept,
-/// for messages) and their product (None past u64).
+/// for messages) and their product (None past u64). The default (no
+/// product) stands for anything but an array of integers.
+#[derive(Default)]
 struct ShapeScan {
     dims: Vec<u64>,
     rank: usize,
@@ -560,17 +590,16 @@ impl<'de> serde::Deserialize<'de> for ShapeScan {
         use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
         // Anything but an array of integers: no shape (left to the crate),
         // the value consumed whole so that the scan goes on.
-        const NONE: ShapeScan = ShapeScan { dims: Vec::new(), rank: 0, elements: None };
         struct V;
         impl<'de> Visitor<'de> for V {
             type Value = ShapeScan;
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str("a shape")
             }
-            visit_scalars!(ShapeScan, |_| NONE);
+            visit_scalars!(ShapeScan, |_| Ok(ShapeScan::default()));
             fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> std::result::Result<ShapeScan, A::Error> {
                 while m.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-                Ok(NONE)
+                Ok(ShapeScan::default())
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut s: A) -> std::result::Result<ShapeScan, A::Error> {
                 let (mut shape, mut valid) = (ShapeScan { dims: Vec::new(), rank: 0, elements: Some(1) }, true);
@@ -585,101 +614,76 @@ impl<'de> serde::Deserialize<'de> for ShapeScan {
                     }
                     shape.elements = shape.elements.and_then(|e| e.checked_mul(d));
                 }
-                Ok(if valid { shape } else { NONE })
+                Ok(if valid { shape } else { ShapeScan::default() })
             }
         }
         d.deserialize_any(V)
     }
 }
 
-impl<'de> serde::Deserialize<'de> for TensorScan {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        use serde::de::{IgnoredAny, MapAccess, Visitor};
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = TensorScan;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a tensor entry")
+impl ObjectScan for TensorScan {
+    const WHAT: &'static str = "a tensor entry";
+    const KEYS: &'static str = "tensor field";
+    fn entry<'de, A: serde::de::MapAccess<'de>>(&mut self, key: &str, m: &mut A) -> std::result::Result<(), A::Error> {
+        match key {
+            "data_offsets" => match m.next_value::<Scanned>()? {
+                Scanned::Pair(a, e) => self.offsets = Some((a, e)),
+                _ => self.bad_offsets = true,
+            },
+            "dtype" => {
+                if let Scanned::Str(t) = m.next_value::<Scanned>()? {
+                    self.dtype = Some(t);
+                }
             }
-            visit_non_objects!(TensorScan, |_| TensorScan { offsets: None, mismatch: None });
-            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> std::result::Result<TensorScan, A::Error> {
-                let (mut offsets, mut ok, mut dtype, mut shape) = (None, true, None, None);
-                scan_object(&mut m, "tensor field", |key, m| {
-                    match key {
-                        "data_offsets" => match m.next_value::<Scanned>()? {
-                            Scanned::Pair(a, e) => offsets = Some((a, e)),
-                            _ => ok = false,
-                        },
-                        "dtype" => {
-                            if let Scanned::Str(t) = m.next_value::<Scanned>()? {
-                                dtype = Some(t);
-                            }
-                        }
-                        // A malformed shape is left to the crate.
-                        "shape" => shape = Some(m.next_value::<ShapeScan>()?).filter(|s| s.rank > 0 || s.elements == Some(1)),
-                        _ => {
-                            m.next_value::<IgnoredAny>()?;
-                        }
-                    }
-                    Ok(())
-                })?;
-                Ok(TensorScan { offsets: offsets.filter(|_| ok), mismatch: None }.with_check(dtype, shape))
+            // A malformed shape is left to the crate.
+            "shape" => self.shape = Some(m.next_value::<ShapeScan>()?).filter(|s| s.rank > 0 || s.elements == Some(1)),
+            _ => {
+                m.next_value::<serde::de::IgnoredAny>()?;
             }
         }
-        d.deserialize_any(V)
+        Ok(())
+    }
+    fn not_object(_kind: &'static str) -> Option<Self> {
+        Some(TensorScan::default())
     }
 }
 
 impl TensorScan {
-    /// Checks that `shape` x `dtype` fills the data_offsets exactly (the
-    /// crate checks it too, but its message names no tensor).
-    fn with_check(mut self, dtype: Option<String>, shape: Option<ShapeScan>) -> TensorScan {
-        if let (Some(size), Some(shape)) = (dtype.as_deref().and_then(dtype_bytes), shape) {
+    /// Its data_offsets when they are a pair of integers (None: left to the
+    /// crate), or why its shape and dtype do not fill them exactly (the
+    /// crate checks that too, but its message names no tensor).
+    fn offsets(&self) -> std::result::Result<Option<(u64, u64)>, String> {
+        let offsets = self.offsets.filter(|_| !self.bad_offsets);
+        if let (Some(size), Some(shape), Some(t)) = (self.dtype.as_deref().and_then(dtype_bytes), &self.shape, &self.dtype) {
             let bytes = shape.elements.and_then(|e| e.checked_mul(size));
             let dims = format!("{:?}{}", shape.dims, if shape.rank > shape.dims.len() { " (first 8)" } else { "" });
-            let t = dtype.unwrap_or_default();
-            match (bytes, self.offsets) {
-                (None, _) => self.mismatch = Some(format!("shape {dims} of dtype {t} is more bytes than any file")),
+            match (bytes, offsets) {
+                (None, _) => return Err(format!("shape {dims} of dtype {t} is more bytes than any file")),
                 (Some(b), Some((a, e))) if e >= a && e - a != b => {
-                    self.mismatch = Some(format!("shape {dims} of dtype {t} is {b} bytes, but its data_offsets [{a}, {e}] hold {}", e - a))
+                    return Err(format!("shape {dims} of dtype {t} is {b} bytes, but its data_offsets [{a}, {e}] hold {}", e - a))
                 }
                 _ => {}
             }
         }
-        self
+        Ok(offsets)
     }
 }
 
-impl<'de> serde::Deserialize<'de> for HeaderScan {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        use serde::de::{Error as _, MapAccess, Visitor};
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = HeaderScan;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> std::result::Result<HeaderScan, A::Error> {
-                let (mut format, mut data_end, mut complete) = (None, 0u64, true);
-                scan_object(&mut m, "key", |key, m| {
-                    if key == "__metadata__" {
-                        format = m.next_value::<MetaScan>()?.0;
-                    } else {
-                        let t = m.next_value::<TensorScan>()?;
-                        if let Some(why) = t.mismatch {
-                            return Err(A::Error::custom(format!("{SCAN_MARK}tensor `{}`: {why}", shown(key))));
-                        }
-                        match t.offsets {
-                            Some((_, end)) => data_end = data_end.max(end),
-                            None => complete = false,
-                        }
-                    }
-                    Ok(())
-                })?;
-                Ok(HeaderScan { format, data_end: complete.then_some(data_end) })
-            }
+impl ObjectScan for HeaderScan {
+    const WHAT: &'static str = "a JSON object";
+    const KEYS: &'static str = "key";
+    fn entry<'de, A: serde::de::MapAccess<'de>>(&mut self, key: &str, m: &mut A) -> std::result::Result<(), A::Error> {
+        use serde::de::Error as _;
+        if key == "__metadata__" {
+            self.format = m.next_value::<Scan<MetaScan>>()?.0.format;
+            return Ok(());
         }
-        d.deserialize_map(V)
+        match m.next_value::<Scan<TensorScan>>()?.0.offsets() {
+            Err(why) => return Err(A::Error::custom(format!("{SCAN_MARK}tensor `{}`: {why}", shown(key)))),
+            Ok(Some((_, end))) => self.data_end = self.data_end.max(end),
+            Ok(None) => self.incomplete = true,
+        }
+        Ok(())
     }
 }
 

@@ -417,6 +417,11 @@ fn swap_smem(count: u32, slots: u32) -> u64 {
     4 * (3 * count as u64 + 2 * slots as u64)
 }
 
+/// Little-endian 32-bit words of `bytes` (a whole number of them).
+fn le_words(bytes: &[u8]) -> Vec<u32> {
+    bytes.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
 /// Offsets (in 4-byte words) of a layer's metadata arrays in one allocation.
 struct MetaLayout {
     chunk_slot: usize,
@@ -694,8 +699,7 @@ impl CudaLayer {
 
     /// Reads `words` 32-bit words at word offset `off` of the metadata.
     fn read_meta(&mut self, off: usize, words: usize, s: CUstream) -> Result<Vec<u32>> {
-        let b = self.read_device(self.dev.chunk_slot + 4 * off as u64, 4 * words, s)?;
-        Ok(b.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect())
+        Ok(le_words(&self.read_device(self.dev.chunk_slot + 4 * off as u64, 4 * words, s)?))
     }
 
     /// Returns and clears the device error record (after `wait`).
@@ -704,15 +708,16 @@ impl CudaLayer {
         self.error_from_record(&e, s)
     }
 
-    /// Strict calls: queues the error record's copy into `readback` on `s`
-    /// after the call's kernels and before `after_launch` records `done`,
-    /// so the call's one host wait (`wait`) also covers the copy
-    /// (`take_queued_error` then reads it without a second wait).
-    fn queue_error_read(&mut self, s: CUstream) {
+    /// Calls that wait (`queue`: strict and not captured): queues the error
+    /// record's copy into `readback` on `s` after the call's kernels and
+    /// before `after_launch` records `done`, so the call's one host wait
+    /// (`wait`) also covers the copy (`take_queued_error` then reads it
+    /// without a second wait). Other calls clear the mark of an older copy.
+    fn queue_error_read(&mut self, s: CUstream, queue: bool) {
         let src = self.dev.chunk_slot + 4 * self.meta.err as u64;
         // SAFETY: readback holds at least the 3 words of the error record
         // (it is sized for the metadata); it is read only after `wait`.
-        self.error_queued = unsafe { driver::copy_dtoh_async(self.readback.host, src, 12, s) }.is_ok();
+        self.error_queued = queue && unsafe { driver::copy_dtoh_async(self.readback.host, src, 12, s) }.is_ok();
     }
 
     /// [`Self::take_error`] after `wait`, from the copy `queue_error_read` queued
@@ -723,10 +728,7 @@ impl CudaLayer {
         }
         // SAFETY: the copy was queued before `done` was recorded and `wait`
         // returned: its 3 words are in place.
-        let e: Vec<u32> = unsafe { std::slice::from_raw_parts(self.readback.host, 12) }
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
+        let e = le_words(unsafe { std::slice::from_raw_parts(self.readback.host, 12) });
         self.error_from_record(&e, s)
     }
 
@@ -874,11 +876,7 @@ impl LayerOps for CudaLayer {
             Ok(())
         };
         let launched = launched.and_then(|()| self.launch_swap(indices, window_len, count, self.strict, s, capture.is_some()));
-        if self.strict && capture.is_none() {
-            self.queue_error_read(s);
-        } else {
-            self.error_queued = false;
-        }
+        self.queue_error_read(s, self.strict && capture.is_none());
         let launched = self.after_launch(s, capture.is_some(), launched);
         if self.strict {
             // Waited for and read also when a launch failed: a kernel queued
@@ -947,11 +945,7 @@ impl LayerOps for CudaLayer {
         let launched = unsafe { self.sh.kernels.check_entries.launch(1, threads, 0, s, &mut params) };
         // Pending also when the launch failed: `done` may cover earlier work.
         self.entries_pending = true;
-        if capture.is_none() {
-            self.queue_error_read(s);
-        } else {
-            self.error_queued = false;
-        }
+        self.queue_error_read(s, capture.is_none());
         self.after_launch(s, capture.is_some(), launched)
     }
 
@@ -1056,9 +1050,7 @@ impl LayerOps for CudaLayer {
         let launched = self
             .launch_swap(dst, window_len, count, self.strict, s, false)
             .and_then(|()| unsafe { driver::copy_dtoh_async(indices.as_mut_ptr() as *mut u8, dst, bytes, s) });
-        if self.strict {
-            self.queue_error_read(s); // covered by the wait below
-        }
+        self.queue_error_read(s, self.strict); // covered by the wait below
         driver::stream_sync(s)?;
         self.recorded = false;
         launched?;
