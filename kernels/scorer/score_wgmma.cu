@@ -303,6 +303,18 @@ __device__ __forceinline__ void ensemble_fold(float si, u32 sc, bool mean, float
     ens = mean ? ens + si : (sc == 0 ? si : fmaxf(ens, si));
 }
 
+// Stores sort key k at p where `pred` holds (a predicated store, no branch
+// around it), evict-last: fm_select reads every sort key right after the
+// scoring kernel (H200, full bf16 at 262,144 chunks: 84.2 -> 83.7 us, NOTES
+// s30), and reads them evict-first, which ends the priority.
+__device__ __forceinline__ void store_sort_key(u32* p, u32 k, bool pred) {
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %3, 0;\n@p st.global.L2::cache_hint.u32 [%0], %1, %2;\n}\n" ::"l"(p), "r"(k), "l"(policy),
+                 "r"(pred ? 1u : 0u)
+                 : "memory");
+}
+
 // Files a row's score: its sortable key (the lowest score after an error)
 // and its histogram count; one lane of the quad writes.
 __device__ __forceinline__ void wg_file_score(float ens, bool finite, bool in, u32 chunk, bool filer, const ScoreSeq& S, u32* sh_hist,
@@ -316,12 +328,7 @@ __device__ __forceinline__ void wg_file_score(float ens, bool finite, bool in, u
     }
     const u32 k = sort_key(ens);
     if (filer && in) {  // one lane per row: a plain shared atomic beats match_any
-        // Evict-last: fm_select reads every sort key right after this
-        // kernel (H200, full bf16 at 262,144 chunks: 84.2 -> 83.7 us, NOTES
-        // s30), and reads them evict-first, which ends the priority.
-        u64 policy;
-        asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-        asm volatile("st.global.L2::cache_hint.u32 [%0], %1, %2;" ::"l"(S.skey + chunk), "r"(k), "l"(policy) : "memory");
+        store_sort_key(S.skey + chunk, k, true);
         atomicAdd(&sh_hist[k >> (32 - FM_HIST_BITS)], 1u);
     }
 }

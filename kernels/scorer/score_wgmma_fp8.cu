@@ -144,9 +144,9 @@ __device__ __forceinline__ void fm_trace_report() {
     if (fm_tr_calls++ % 97 == 0) {
         if (fm_tr_kind == 2)
             printf("FMTRACE fp8q cycles per warp: prologue+q-load %.0f quantize %.0f E+weights+sync %.0f | per warp-tile (%.2f tiles/warp): "
-                   "wait+fence+barrier %.0f scales %.0f turn %.0f mma-issue+refill %.0f mma-wait %.0f epilogue %.0f | per warp: end %.0f flush %.0f\n",
+                   "wait+fence+barrier %.0f scales %.0f turn %.0f mma-issue+refill %.0f mma-wait %.0f epilogue: to relu %.0f head sums %.0f rest %.0f | per warp: end %.0f flush %.0f\n",
                    t[0] / warps, t[1] / warps, t[2] / warps, tiles / warps, t[3] / tiles, t[4] / tiles, t[5] / tiles, t[6] / tiles, t[7] / tiles,
-                   t[8] / tiles, t[10] / warps, t[11] / warps);
+                   t[9] / tiles, t[12] / tiles, t[8] / tiles, t[10] / warps, t[11] / warps);
         else
             printf("FMTRACE fp8 cycles per warp: prologue issue+prereq %.0f q-load+max %.0f q-store+sync %.0f | per warp-tile (%.2f tiles/warp): "
                    "wait+barrier %.0f issue %.0f fragments %.0f turn %.0f mma-first %.0f mma-rest %.0f mma-wait %.0f epilogue %.0f | per warp: "
@@ -467,6 +467,20 @@ __device__ __forceinline__ void wgmma_hs_n8(float* c, const u32* a, u64 desc_b, 
 #endif
 #endif
 
+// c[h][s] = scale[h] * 2^E_s (p2E[s]; 0 where 2^E_s is not a normal float)
+// for both rows of this thread; `normal` turns false where some c is not a
+// normal float.
+__device__ __forceinline__ void scale_factors(const float* scale, const float* p2E, float (*c)[FM_SCORERS], bool& normal) {
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+#pragma unroll
+        for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
+            c[h][sc] = scale[h] * p2E[sc];
+            normal &= c[h][sc] >= 1.17549435e-38f && c[h][sc] <= 3.40282347e38f;
+        }
+    }
+}
+
 // Two values (|v| <= 448) to e4m3, round to nearest even: lo in the low byte.
 __device__ __forceinline__ u32 f32x2_to_e4m3x2(float lo, float hi) {
     unsigned short r;
@@ -552,6 +566,9 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
     __shared__ __align__(16) float sh_w[FM_QROWS];
 #endif
     __shared__ float sh_p2E[FM_SCORERS];  // 2^E where that is a normal float, else 0 (no fast path)
+#ifdef FM_Q8_TC
+    __shared__ u32 sh_spare[32];  // the filing's atomics of lanes that file nothing
+#endif
     TR_SHARED
     const u32 raw_addr = smem_addr(wg_smem_raw);
     u8* base = wg_smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
@@ -752,6 +769,15 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
         float scales[2];
 #pragma unroll
         for (u32 h = 0; h < 2; ++h) scales[h] = chunks[h] < n ? sc[rows[h]] : 1.f;
+        // Whether every scale of the warp's rows is positive and finite, and
+        // c = scale * 2^E with whether each is a normal float: from the
+        // scales alone, so made here, while the turn and the MMAs go on,
+        // not on the epilogue's chain after the MMAs' wait (H200, score
+        // fp8 at 262,144 chunks: -0.2 us, NOTES s44).
+        const bool pos_all = __all_sync(KVS_FULL_MASK, positive_finite(scales[0]) && positive_finite(scales[1]));
+        float c[2][FM_SCORERS];
+        bool normal = true;
+        scale_factors(scales, p2E, c, normal);
         TR(4);
         turn_wait(ORDER_BAR + g);
         TR(5);
@@ -784,16 +810,10 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
         // (scaled_sum: neither scale * 2^E nor sum * scale is formed).
         // Other scales (zero, negative, non-finite) are split in place
         // first (wg8_split_rows), so that every row takes this path.
-        wg8_split_rows(d, scales);
-        float c[2][FM_SCORERS];
-        bool normal = true;
-#pragma unroll
-        for (u32 h = 0; h < 2; ++h) {
-#pragma unroll
-            for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
-                c[h][sc] = scales[h] * p2E[sc];
-                normal &= c[h][sc] >= 1.17549435e-38f && c[h][sc] <= 3.40282347e38f;
-            }
+        if (!pos_all) {  // warp-uniform and rare: split the rows' scales, then c again
+            wg8_split_rows(d, scales);
+            normal = true;
+            scale_factors(scales, p2E, c, normal);
         }
         {
             float ens[2];
@@ -813,6 +833,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
                 u32 a[FM_QROWS / 16][4];
 #pragma unroll
                 for (u32 k = 0; k < FM_QROWS / 16; ++k) relu_a_fragment(d, k, a[k]);
+                TR(9);
                 const u64 dw0 = gmma_desc_plain(smem_addr(sh_wt));
                 wgmma_fence();
 #pragma unroll
@@ -820,6 +841,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
                     wgmma_hs_n8(hs[k / FM_Q8_KSTEPS], a[k], dw0 + k * (256u >> 4), k % FM_Q8_KSTEPS > 0 ? 1u : 0u);
                 wgmma_commit();
                 wgmma_wait0();
+                TR(12);
             }
 #else
             {
@@ -837,19 +859,29 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
             {
                 // Every row's sums from the head-sum MMAs: one multiply by
                 // c = scale * 2^E where that is a normal float for the whole
-                // warp, else the two steps of scaled_sum. The mean adds the
-                // scorers pairwise ((v0 + v1) + (v2 + v3)).
-                const bool fast = __all_sync(KVS_FULL_MASK, normal);
+                // warp, else the two steps of scaled_sum, chosen by one
+                // warp-uniform branch for all of them (a select per sum
+                // compiled to a branch pair per sum: with them, H200, score
+                // fp8 at 262,144 chunks: +0.6 us, NOTES s44). The mean adds
+                // the scorers pairwise ((v0 + v1) + (v2 + v3)).
+                float vs[2][FM_SCORERS];
+                if (__all_sync(KVS_FULL_MASK, normal)) {
+#pragma unroll
+                    for (u32 h = 0; h < 2; ++h)
+#pragma unroll
+                        for (u32 sc = 0; sc < FM_SCORERS; ++sc) vs[h][sc] = (hs[sc][2 * h] + hs[sc][2 * h + 1]) * c[h][sc];
+                } else {
+#pragma unroll
+                    for (u32 h = 0; h < 2; ++h)
+#pragma unroll
+                        for (u32 sc = 0; sc < FM_SCORERS; ++sc) vs[h][sc] = scaled_sum(hs[sc][2 * h] + hs[sc][2 * h + 1], scales[h], E[sc]);
+                }
 #pragma unroll
                 for (u32 h = 0; h < 2; ++h) {
-                    float v[FM_SCORERS];
+                    const float* v = vs[h];
                     bool ok = true;
 #pragma unroll
-                    for (u32 sc = 0; sc < FM_SCORERS; ++sc) {
-                        const float si = hs[sc][2 * h] + hs[sc][2 * h + 1];
-                        v[sc] = fast ? si * c[h][sc] : scaled_sum(si, scales[h], E[sc]);
-                        ok &= isfinite(v[sc]);
-                    }
+                    for (u32 sc = 0; sc < FM_SCORERS; ++sc) ok &= isfinite(v[sc]);
                     float x;
                     if (mean) {
                         float pair[(FM_SCORERS + 1) / 2];
@@ -882,8 +914,25 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
 #pragma unroll
 #ifdef FM_Q8_TC
             // Every lane of the quad holds both rows' scores: lane 0 files
-            // row ra, lane 1 row rb, side by side.
-            for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], (lane & 3u) == h, S, sh_hist, bad, bad_chunk);
+            // row ra and lane 1 row rb, in one store and one shared atomic
+            // for the warp, with no branch around them (two filings, each
+            // behind a branch: H200, score fp8 at 262,144 chunks: +0.6 us,
+            // NOTES s44); lanes 2 and 3, and rows past n, add to a word of
+            // their own instead of a bin.
+            {
+                const bool h = (lane & 1u) != 0;
+                const u32 chunk = h ? chunks[1] : chunks[0];  // selects: an indexed array would go to local memory
+                const bool in = (lane & 2u) == 0 && chunk < n;
+                const float e = h ? ens[1] : ens[0];
+                const bool ok = (h ? finite[1] : finite[0]) && isfinite(e);
+                if (!ok && in) {
+                    bad = true;
+                    bad_chunk = chunk;
+                }
+                const u32 k = sort_key(ok ? e : -3.0e38f);
+                store_sort_key(S.skey + chunk, k, in);
+                atomicAdd(in ? &sh_hist[k >> (32 - FM_HIST_BITS)] : &sh_spare[lane], 1u);
+            }
 #else
             for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], (lane & 3u) == 0, S, sh_hist, bad, bad_chunk);
 #endif
