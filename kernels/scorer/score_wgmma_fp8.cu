@@ -50,7 +50,9 @@ __device__ __forceinline__ float2 sh_weights(const float* sh_w, u32 lane, u32 j)
 // row then takes the positive path, which never forms a head's scale * dot
 // product (it can lie above the float range where the weighted score does
 // not). A non-finite scale leaves the row's accumulators non-finite (x *
-// inf, 0 * inf), so the positive path's check of d finds it.
+// inf, 0 * inf), so the positive path's check of d finds it. (The fp8-query
+// kernel makes the same test before its MMAs' wait and calls this only when
+// it fails.)
 __device__ __forceinline__ void wg8_split_rows(float* d, float* scale) {
     if (__all_sync(KVS_FULL_MASK, positive_finite(scale[0]) && positive_finite(scale[1]))) return;
 #pragma unroll
@@ -109,6 +111,9 @@ __device__ __forceinline__ void wg8_issue(const u8* keys, const float* scales, u
 // every warp in shared memory, then over the grid in fm_tr; fm_order, the
 // last kernel of a call, prints the sums of every 97th call and resets them
 // (a printf here would make ptxas serialise the MMAs).
+// fm_score_wg_fp8q's epilogue is stamped after the relu fragments and after
+// the head sums' wait only with the wgmma head sums (FM_Q8_WGHS: 192 query
+// rows); other shapes print 0 for those two and the whole epilogue as rest.
 #ifdef FM_TRACE
 #define TR_PHASES 13
 __device__ unsigned long long fm_tr[TR_PHASES + 2];  // phases, warp-tiles, warps
@@ -567,7 +572,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
 #endif
     __shared__ float sh_p2E[FM_SCORERS];  // 2^E where that is a normal float, else 0 (no fast path)
 #ifdef FM_Q8_TC
-    __shared__ u32 sh_spare[32];  // the filing's atomics of lanes that file nothing
+    __shared__ u32 sh_spare[32];  // the filing's atomics of lanes that file nothing, a word per lane index
 #endif
     TR_SHARED
     const u32 raw_addr = smem_addr(wg_smem_raw);
@@ -911,14 +916,14 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
                     d, 0, [&](u32 j) { return wq_weights(sh_w, lane, j); }, [](u32, float a) { return a; },
                     [&](u32 h, u32 s, float si) { return scaled_sum(si, scales[h], E[s]); }, mean, ens, finite);
 #endif
-#pragma unroll
 #ifdef FM_Q8_TC
             // Every lane of the quad holds both rows' scores: lane 0 files
             // row ra and lane 1 row rb, in one store and one shared atomic
             // for the warp, with no branch around them (two filings, each
             // behind a branch: H200, score fp8 at 262,144 chunks: +0.6 us,
-            // NOTES s44); lanes 2 and 3, and rows past n, add to a word of
-            // their own instead of a bin.
+            // NOTES s44); lanes 2 and 3, and rows past n, add to a spare
+            // word of their lane index instead of a bin (one per lane of the
+            // instruction: no conflict within it).
             {
                 const bool h = (lane & 1u) != 0;
                 const u32 chunk = h ? chunks[1] : chunks[0];  // selects: an indexed array would go to local memory
@@ -934,6 +939,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
                 atomicAdd(in ? &sh_hist[k >> (32 - FM_HIST_BITS)] : &sh_spare[lane], 1u);
             }
 #else
+#pragma unroll
             for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], (lane & 3u) == 0, S, sh_hist, bad, bad_chunk);
 #endif
         }
