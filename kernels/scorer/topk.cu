@@ -358,6 +358,7 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
     const u32 nsel = (n + FM_SEL_PER_BLOCK - 1) / FM_SEL_PER_BLOCK;  // this sequence's blocks (a batch's grid is its longest's)
     if (sel_regions(nsel, n_sure + n_tie)) {
         if (blockIdx.x >= nsel) return;  // past this sequence: nothing, and no region
+        CT_MAX(12);
         if (threadIdx.x == 0) S.st->region[blockIdx.x] = total;
         u32 at_sure = at & 0xffffu, at_tie = (total & 0xffffu) + (at >> 16);
 #pragma unroll
