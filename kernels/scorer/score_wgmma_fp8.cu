@@ -111,11 +111,13 @@ __device__ __forceinline__ void wg8_issue(const u8* keys, const float* scales, u
 // every warp in shared memory, then over the grid in fm_tr; fm_order, the
 // last kernel of a call, prints the sums of every 97th call and resets them
 // (a printf here would make ptxas serialise the MMAs).
-// fm_score_wg_fp8q's epilogue is stamped after the relu fragments and after
+// fm_score_wg_fp8q's refill is stamped apart from the MMA issue: with TMA one
+// thread of warp 0 issues it, so its per-warp-tile figure is a quarter of
+// warp 0's. Its epilogue is stamped after the relu fragments and after
 // the head sums' wait only with the wgmma head sums (FM_Q8_WGHS: 192 query
 // rows); other shapes print 0 for those two and the whole epilogue as rest.
 #ifdef FM_TRACE
-#define TR_PHASES 13
+#define TR_PHASES 14
 __device__ unsigned long long fm_tr[TR_PHASES + 2];  // phases, warp-tiles, warps
 __device__ u32 fm_tr_calls;
 __device__ u32 fm_tr_kind;  // the kernel that filled fm_tr: 1 fm_score_wg_fp8, 2 fm_score_wg_fp8q
@@ -149,8 +151,8 @@ __device__ __forceinline__ void fm_trace_report() {
     if (fm_tr_calls++ % 97 == 0) {
         if (fm_tr_kind == 2)
             printf("FMTRACE fp8q cycles per warp: prologue+q-load %.0f quantize %.0f E+weights+sync %.0f | per warp-tile (%.2f tiles/warp): "
-                   "wait+fence+barrier %.0f scales %.0f turn %.0f mma-issue+refill %.0f mma-wait %.0f epilogue: to relu %.0f head sums %.0f rest %.0f | per warp: end %.0f flush %.0f\n",
-                   t[0] / warps, t[1] / warps, t[2] / warps, tiles / warps, t[3] / tiles, t[4] / tiles, t[5] / tiles, t[6] / tiles, t[7] / tiles,
+                   "wait+fence+barrier %.0f scales %.0f turn %.0f mma-issue %.0f refill %.0f mma-wait %.0f epilogue: to relu %.0f head sums %.0f rest %.0f | per warp: end %.0f flush %.0f\n",
+                   t[0] / warps, t[1] / warps, t[2] / warps, tiles / warps, t[3] / tiles, t[4] / tiles, t[5] / tiles, t[13] / tiles, t[6] / tiles, t[7] / tiles,
                    t[9] / tiles, t[12] / tiles, t[8] / tiles, t[10] / warps, t[11] / warps);
         else
             printf("FMTRACE fp8 cycles per warp: prologue issue+prereq %.0f q-load+max %.0f q-store+sync %.0f | per warp-tile (%.2f tiles/warp): "
@@ -799,6 +801,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
 #endif
         wgmma_commit();
         if (i < next_turns) turn_pass(ORDER_BAR + next);
+        TR(13);
         // The refill of the slot tile i - 1 used (every warp is past this
         // tile's barrier, so done with it) while this tile's MMAs run.
         issue(i + WG_STAGES - 1);
