@@ -804,6 +804,12 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
         TR(13);
         // The refill of the slot tile i - 1 used (every warp is past this
         // tile's barrier, so done with it) while this tile's MMAs run.
+#if defined(FM_REFILL_LATE) && defined(FM_Q8_WGHS)
+        // (Development switch: the TMA refill waits for the head sums'
+        // issue below, so warp 0 is not behind the others at the head sums'
+        // collective wgmma.)
+        if constexpr (!TMA)
+#endif
         issue(i + WG_STAGES - 1);
         TR(6);
         wgmma_wait0();
@@ -848,6 +854,9 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
                 for (u32 k = 0; k < FM_QROWS / 16; ++k)
                     wgmma_hs_n8(hs[k / FM_Q8_KSTEPS], a[k], dw0 + k * (256u >> 4), k % FM_Q8_KSTEPS > 0 ? 1u : 0u);
                 wgmma_commit();
+#if defined(FM_REFILL_LATE)
+                if constexpr (TMA) issue(i + WG_STAGES - 1);
+#endif
                 wgmma_wait0();
                 TR(12);
             }
