@@ -427,6 +427,9 @@ template <u32 DTYPE>
 __device__ __forceinline__ void score_wg(const ScoreBatch& B, u32* err) {
     extern __shared__ u8 wg_smem_raw[];
     __shared__ __align__(16) u32 sh_hist[FM_HIST];
+#ifdef FM_WG_FILE_ONE
+    __shared__ u32 sh_spare[32];
+#endif
     // The swizzled layouts need 1024-byte aligned regions.
     const u32 raw_addr = smem_addr(wg_smem_raw);
     u8* base = wg_smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
@@ -544,11 +547,37 @@ __device__ __forceinline__ void score_wg(const ScoreBatch& B, u32* err) {
             float ens[2];
             bool finite[2];
             wg_rows_score(d, wv, mean, ens, finite);
+#ifdef FM_WG_FILE_ONE
+            // (Development switch.) Every lane checks both rows as before
+            // (its own column of d), then lane 0 of the quad files row0 and
+            // lane 1 row0 + 8, in one predicated store and one shared
+            // atomic; lanes 2 and 3, and rows past n, add to a spare word of
+            // their lane index (as fm_score_wg_fp8q files).
+            {
+#pragma unroll
+                for (u32 half = 0; half < 2; ++half) {
+                    const u32 chunk = c0 + row0 + half * 8;
+                    if ((!finite[half] || !isfinite(ens[half])) && chunk < n) {
+                        bad = true;
+                        bad_chunk = chunk;
+                    }
+                }
+                const bool h = (lane & 1u) != 0;
+                const u32 chunk = c0 + row0 + (h ? 8u : 0u);
+                const bool in = (lane & 2u) == 0 && chunk < n;
+                const float e = h ? ens[1] : ens[0];
+                const bool ok = (h ? finite[1] : finite[0]) && isfinite(e);
+                const u32 k = sort_key(ok ? e : -3.0e38f);
+                store_sort_key(S.skey + chunk, k, in);
+                atomicAdd(in ? &sh_hist[k >> (32 - FM_HIST_BITS)] : &sh_spare[lane], 1u);
+            }
+#else
 #pragma unroll
             for (u32 half = 0; half < 2; ++half) {
                 const u32 chunk = c0 + row0 + half * 8;
                 wg_file_score(ens[half], finite[half], chunk < n, chunk, (lane & 3u) == 0, S, sh_hist, bad, bad_chunk);
             }
+#endif
             continue;
         }
 #pragma unroll
