@@ -315,6 +315,30 @@ __device__ __forceinline__ void store_sort_key(u32* p, u32 k, bool pred) {
                  : "memory");
 }
 
+// Files the two rows every lane of a quad holds the scores of (ens[h],
+// finite[h] of chunk[h]): lane 0 of the quad row 0 and lane 1 row 1, in one
+// store and one shared atomic for the warp with no branch around them; lanes
+// 2 and 3, and rows past n, add to a spare word of their lane index instead
+// of a bin (one per lane of the instruction: no conflict within it). With
+// `report`, a filing lane records a non-finite score of its row in `bad`
+// (enough where a non-finite d fills the whole row, as fp8 products do).
+__device__ __forceinline__ void file_rows_per_lane(const float* ens, const bool* finite, const u32* chunk, u32 n, const ScoreSeq& S, u32* sh_hist,
+                                                   u32* sh_spare, bool report, bool& bad, u32& bad_chunk) {
+    const u32 lane = threadIdx.x & 31u;
+    const bool h = (lane & 1u) != 0;
+    const u32 c = h ? chunk[1] : chunk[0];  // selects: an indexed array would go to local memory
+    const bool in = (lane & 2u) == 0 && c < n;
+    const float e = h ? ens[1] : ens[0];
+    const bool ok = (h ? finite[1] : finite[0]) && isfinite(e);
+    if (report && !ok && in) {
+        bad = true;
+        bad_chunk = c;
+    }
+    const u32 k = sort_key(ok ? e : -3.0e38f);
+    store_sort_key(S.skey + c, k, in);
+    atomicAdd(in ? &sh_hist[k >> (32 - FM_HIST_BITS)] : &sh_spare[lane], 1u);
+}
+
 // Files a row's score: its sortable key (the lowest score after an error)
 // and its histogram count; one lane of the quad writes.
 __device__ __forceinline__ void wg_file_score(float ens, bool finite, bool in, u32 chunk, bool filer, const ScoreSeq& S, u32* sh_hist,
@@ -549,27 +573,18 @@ __device__ __forceinline__ void score_wg(const ScoreBatch& B, u32* err) {
             wg_rows_score(d, wv, mean, ens, finite);
 #ifdef FM_WG_FILE_ONE
             // (Development switch.) Every lane checks both rows as before
-            // (its own column of d), then lane 0 of the quad files row0 and
-            // lane 1 row0 + 8, in one predicated store and one shared
-            // atomic; lanes 2 and 3, and rows past n, add to a spare word of
-            // their lane index (as fm_score_wg_fp8q files).
+            // (a 16-bit dot product can overflow in one column of a row, and
+            // a lane sees its own columns of d), then one filing per lane.
             {
+                const u32 chunks[2] = {c0 + row0, c0 + row0 + 8};
 #pragma unroll
                 for (u32 half = 0; half < 2; ++half) {
-                    const u32 chunk = c0 + row0 + half * 8;
-                    if ((!finite[half] || !isfinite(ens[half])) && chunk < n) {
+                    if ((!finite[half] || !isfinite(ens[half])) && chunks[half] < n) {
                         bad = true;
-                        bad_chunk = chunk;
+                        bad_chunk = chunks[half];
                     }
                 }
-                const bool h = (lane & 1u) != 0;
-                const u32 chunk = c0 + row0 + (h ? 8u : 0u);
-                const bool in = (lane & 2u) == 0 && chunk < n;
-                const float e = h ? ens[1] : ens[0];
-                const bool ok = (h ? finite[1] : finite[0]) && isfinite(e);
-                const u32 k = sort_key(ok ? e : -3.0e38f);
-                store_sort_key(S.skey + chunk, k, in);
-                atomicAdd(in ? &sh_hist[k >> (32 - FM_HIST_BITS)] : &sh_spare[lane], 1u);
+                file_rows_per_lane(ens, finite, chunks, n, S, sh_hist, sh_spare, false, bad, bad_chunk);
             }
 #else
 #pragma unroll

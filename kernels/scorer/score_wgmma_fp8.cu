@@ -930,26 +930,12 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
 #endif
 #ifdef FM_Q8_TC
             // Every lane of the quad holds both rows' scores: lane 0 files
-            // row ra and lane 1 row rb, in one store and one shared atomic
-            // for the warp, with no branch around them (two filings, each
-            // behind a branch: H200, score fp8 at 262,144 chunks: +0.6 us,
-            // NOTES s44); lanes 2 and 3, and rows past n, add to a spare
-            // word of their lane index instead of a bin (one per lane of the
-            // instruction: no conflict within it).
-            {
-                const bool h = (lane & 1u) != 0;
-                const u32 chunk = h ? chunks[1] : chunks[0];  // selects: an indexed array would go to local memory
-                const bool in = (lane & 2u) == 0 && chunk < n;
-                const float e = h ? ens[1] : ens[0];
-                const bool ok = (h ? finite[1] : finite[0]) && isfinite(e);
-                if (!ok && in) {
-                    bad = true;
-                    bad_chunk = chunk;
-                }
-                const u32 k = sort_key(ok ? e : -3.0e38f);
-                store_sort_key(S.skey + chunk, k, in);
-                atomicAdd(in ? &sh_hist[k >> (32 - FM_HIST_BITS)] : &sh_spare[lane], 1u);
-            }
+            // row ra and lane 1 row rb, with no branch around the store and
+            // the atomic (two filings, each behind a branch: H200, score fp8
+            // at 262,144 chunks: +0.6 us, NOTES s44). A non-finite d fills
+            // its whole row (fp8 products cannot overflow: |d| <= 128 x
+            // 448^2), so the filing lanes' checks find every error.
+            file_rows_per_lane(ens, finite, chunks, n, S, sh_hist, sh_spare, true, bad, bad_chunk);
 #else
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) wg_file_score(ens[h], finite[h], chunks[h] < n, chunks[h], (lane & 3u) == 0, S, sh_hist, bad, bad_chunk);
