@@ -14,6 +14,15 @@ fn loud_note(text: &str) {
     let _ = writeln!(std::io::stderr(), "\nNOTE ({}): {text}", env!("CARGO_CRATE_NAME"));
 }
 
+/// Compiles `src` and fails on an error or on any warning in NVRTC's log
+/// (a warning has meant code that did not do what it said, e.g. a
+/// `#pragma unroll` that no longer preceded its loop).
+fn compile_clean(what: &str, name: &str, src: &str, cc: (i32, i32), opts: &[String]) -> Vec<u8> {
+    let (cubin, log) = nvrtc::compile_with_log(name, src, cc, opts).unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(!log.to_lowercase().contains("warning"), "{what}: NVRTC warned:\n{log}");
+    cubin
+}
+
 #[test]
 fn every_kernel_compiles() {
     if !nvrtc::available() {
@@ -29,7 +38,7 @@ fn every_kernel_compiles() {
     // Ampere, Ada, Hopper, Blackwell (datacenter).
     for cc in [(8, 0), (8, 9), (9, 0), (10, 0)] {
         for (name, src) in kvswap::kernels::ALL {
-            let cubin = nvrtc::compile(name, src, cc).unwrap_or_else(|e| panic!("{name} sm_{}{}: {e}", cc.0, cc.1));
+            let cubin = compile_clean(&format!("{name} sm_{}{}", cc.0, cc.1), name, src, cc, &[]);
             assert!(cubin.len() > 1000 && cubin.starts_with(b"\x7fELF"), "{name}: not a CUBIN");
         }
     }
@@ -37,11 +46,10 @@ fn every_kernel_compiles() {
     // wgmma kernel for sm_90a.
     for (s, h, d) in [(3, 64, 128), (1, 8, 128), (2, 16, 64), (4, 64, 256)] {
         let mut opts = vec![format!("-DFM_SCORERS={s}"), format!("-DFM_HEADS={h}"), format!("-DFM_HEAD_DIM={d}")];
-        nvrtc::compile_with("scorer.cu", kvswap::kernels::SCORER_CU, (9, 0), &opts).unwrap_or_else(|e| panic!("scorer {s}x{h}x{d}: {e}"));
+        compile_clean(&format!("scorer {s}x{h}x{d}"), "scorer.cu", kvswap::kernels::SCORER_CU, (9, 0), &opts);
         if [64, 128, 192, 256].contains(&(s * h)) {
             opts.extend(["-DFM_WGMMA".to_string(), "--gpu-architecture=sm_90a".to_string()]);
-            nvrtc::compile_with("scorer.cu", kvswap::kernels::SCORER_CU, (9, 0), &opts)
-                .unwrap_or_else(|e| panic!("scorer wgmma {s}x{h}x{d}: {e}"));
+            compile_clean(&format!("scorer wgmma {s}x{h}x{d}"), "scorer.cu", kvswap::kernels::SCORER_CU, (9, 0), &opts);
         }
     }
     // The development switches (KVSWAP_FM_DEFINES) keep compiling: the
@@ -51,7 +59,9 @@ fn every_kernel_compiles() {
     // its mma.sync head sums at 192 query rows (-DFM_Q8_HMMA_HEADSUM). The
     // default build's tensor-core head sums at 1, 2 and 4 scorers (4, 2 and
     // 4 head-sum k-steps per scorer) and the wgmma ones at 4 x 48 (3 k-steps).
-    let dev: [(&str, (u32, u32, u32)); 10] = [
+    // The experiments prepared for a GPU session (benches/NOTES.md s44): the
+    // selection by regions, the late TMA refill, the 16-bit kernels' filing.
+    let dev: [(&str, (u32, u32, u32)); 13] = [
         ("-DFM_TRACE -DFM_OTRACE", (3, 64, 128)),
         ("-DFM_CTRACE", (3, 64, 128)),
         ("-DFM_Q8_FMA_HEADSUM", (3, 64, 128)),
@@ -62,12 +72,15 @@ fn every_kernel_compiles() {
         ("", (1, 64, 128)),
         ("", (4, 64, 128)),
         ("", (8, 8, 128)),
+        ("-DFM_SEL_REGIONS -DFM_CTRACE", (3, 64, 128)),
+        ("-DFM_REFILL_LATE -DFM_TRACE", (3, 64, 128)),
+        ("-DFM_WG_FILE_ONE", (3, 64, 128)),
     ];
     for (defines, (s, h, d)) in dev {
         let mut opts = vec![format!("-DFM_SCORERS={s}"), format!("-DFM_HEADS={h}"), format!("-DFM_HEAD_DIM={d}")];
         opts.extend(["-DFM_WGMMA", "--gpu-architecture=sm_90a"].map(String::from));
         opts.extend(defines.split_whitespace().map(String::from));
-        nvrtc::compile_with("scorer.cu", kvswap::kernels::SCORER_CU, (9, 0), &opts).unwrap_or_else(|e| panic!("scorer {s}x{h}x{d} with {defines:?}: {e}"));
+        compile_clean(&format!("scorer {s}x{h}x{d} with {defines:?}"), "scorer.cu", kvswap::kernels::SCORER_CU, (9, 0), &opts);
     }
 }
 

@@ -215,6 +215,9 @@ fm_score(ScoreBatch B, u32* err) {
                 const u32 r = rgroup * FM_WROWS + m * 16 + (lane & 15u);
                 ldmatrix_x4(tile_base + swz(r, ks * 2 + (lane >> 4)), a[m][0], a[m][1], a[m][2], a[m][3]);
             }
+            // (No pair of n-tiles at 8 heads per warp: the loop's test is then
+            // np < 0, which NVRTC calls pointless.)
+#pragma nv_diag_suppress 186
 #pragma unroll
             for (u32 np = 0; np < FM_WHEADS / 16; ++np) {
                 u32 b0, b1, b2, b3;
@@ -226,6 +229,7 @@ fm_score(ScoreBatch B, u32* err) {
                     mma_bf16(acc[m][2 * np + 1], a[m], b2, b3);
                 }
             }
+#pragma nv_diag_default 186
             if (FM_WHEADS % 16 == 8) {  // a last single 8-head n-tile
                 constexpr u32 nt = FM_WHEADS / 8 - 1;
                 u32 b0, b1;

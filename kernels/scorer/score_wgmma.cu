@@ -431,6 +431,11 @@ __device__ __forceinline__ void wg_scores_done(const ScoreBatch& B, u32* err, bo
     __syncthreads();
 }
 
+// The wgmma scoring kernels' dynamic shared memory (one declaration for all
+// of them: a block-scope one per kernel conflicts in linkage between the
+// templates and the extern "C" kernels).
+extern __shared__ u8 wg_smem_raw[];
+
 // Grid: (blocks per sequence, sequences), WG_GROUPS warpgroups (WG_THREADS
 // threads), dynamic shared memory: Q + per warpgroup a ring of WG_STAGES
 // tiles (bf16: compute tiles; fp8: raw tiles plus one compute tile; f32: one
@@ -449,7 +454,6 @@ __device__ __forceinline__ void wg_scores_done(const ScoreBatch& B, u32* err, bo
 #define FM_WG_ANY_DTYPE 0xFFFFFFFFu
 template <u32 DTYPE>
 __device__ __forceinline__ void score_wg(const ScoreBatch& B, u32* err) {
-    extern __shared__ u8 wg_smem_raw[];
     __shared__ __align__(16) u32 sh_hist[FM_HIST];
 #ifdef FM_WG_FILE_ONE
     __shared__ u32 sh_spare[32];
@@ -593,15 +597,15 @@ __device__ __forceinline__ void score_wg(const ScoreBatch& B, u32* err) {
                 wg_file_score(ens[half], finite[half], chunk < n, chunk, (lane & 3u) == 0, S, sh_hist, bad, bad_chunk);
             }
 #endif
-            continue;
-        }
+        } else {
 #pragma unroll
-        for (u32 half = 0; half < 2; ++half) {
-            const u32 chunk = c0 + row0 + half * 8;
-            const bool in = chunk < n;
-            bool finite;
-            const float ens = wg_row_score_scaled(d, half, wv, in ? S.scales[chunk] : 1.f, mean, finite);
-            wg_file_score(ens, finite, in, chunk, (lane & 3u) == 0, S, sh_hist, bad, bad_chunk);
+            for (u32 half = 0; half < 2; ++half) {
+                const u32 chunk = c0 + row0 + half * 8;
+                const bool in = chunk < n;
+                bool finite;
+                const float ens = wg_row_score_scaled(d, half, wv, in ? S.scales[chunk] : 1.f, mean, finite);
+                wg_file_score(ens, finite, in, chunk, (lane & 3u) == 0, S, sh_hist, bad, bad_chunk);
+            }
         }
     }
     wg_scores_done(B, err, bad, bad_chunk);

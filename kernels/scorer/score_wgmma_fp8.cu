@@ -172,7 +172,6 @@ __device__ __forceinline__ void fm_trace_report() {
 // Grid, threads and shared memory as fm_score_wg with fp8 keys, plus the head
 // weights; the compute tile of each warpgroup holds its ring's scales instead.
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) fm_score_wg_fp8(ScoreBatch B, u32* err) {
-    extern __shared__ u8 wg_smem_raw[];
     __shared__ __align__(16) u32 sh_hist[FM_HIST];
     __shared__ float sh_w[FM_QROWS];
     __shared__ u32 sh_max[WG_THREADS / 32];
@@ -554,7 +553,6 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
 #endif
     CT_EXIT(3);
     CT_EXIT(8);
-    extern __shared__ u8 wg_smem_raw[];
     __shared__ __align__(16) u32 sh_hist[FM_HIST];
     __shared__ int sh_e[FM_QROWS];
     __shared__ int sh_E[FM_SCORERS];

@@ -54,6 +54,12 @@ pub fn compile(name: &str, source: &str, cc: (i32, i32)) -> Result<Vec<u8>> {
 
 /// `compile` with extra options (e.g. `-DFM_HEADS=64`).
 pub fn compile_with(name: &str, source: &str, cc: (i32, i32), extra: &[String]) -> Result<Vec<u8>> {
+    compile_with_log(name, source, cc, extra).map(|(cubin, _)| cubin)
+}
+
+/// `compile_with`, also returning NVRTC's log of a successful compile (its
+/// warnings; empty when there are none).
+pub fn compile_with_log(name: &str, source: &str, cc: (i32, i32), extra: &[String]) -> Result<(Vec<u8>, String)> {
     require()?;
     let src = CString::new(source).map_err(|_| Error::invalid("kernel source contains NUL"))?;
     let cname = CString::new(name).unwrap_or_default();
@@ -91,7 +97,7 @@ pub fn compile_with(name: &str, source: &str, cc: (i32, i32), extra: &[String]) 
             let mut cubin = vec![0u8; size];
             // SAFETY: cubin holds `size` bytes.
             nvrtc_check(unsafe { sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char) }, "nvrtcGetCUBIN")?;
-            Ok(cubin)
+            Ok((cubin, log(prog)))
         })
     };
     // SAFETY: destroys the program created above.
