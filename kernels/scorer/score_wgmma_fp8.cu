@@ -748,6 +748,177 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
     if (g == G - 1 && T.first_turns > 0) turn_pass(ORDER_BAR);  // warpgroup 0 goes first
     TR(2);
     CT_MAX(2);
+#if defined(FM_EPI_DEFER) && defined(FM_Q8_TC) && FM_QROWS <= 192 && !(defined(FM_TMA_GROUPS) && FM_TMA_GROUPS > 3)
+    // (Development switch; at 256 query rows, or 4 warpgroups' 128-register
+    // cap, the carried state spills.) The per-tile chain without its two waits that
+    // need no MMA: tile i's sums, ensemble and filing ("rest") run after
+    // tile i + 1's MMAs are issued, while they run, and tile i + 1's data
+    // wait and scale reads ("top") run while tile i's head sums do. Each
+    // warpgroup then reaches its next turn sooner. Carried from one
+    // iteration to the next: tile i's head sums (12 floats at 3 scorers),
+    // its c, scales and flags, and tile i + 1's top.
+    struct Top {
+        float scales[2];
+        float c[2][FM_SCORERS];
+        bool pos_all, normal;
+    };
+    struct Pending {
+        float hs[FM_SCORERS][4];
+        float c[2][FM_SCORERS];
+        float scales[2];
+        bool normal, finite[2];
+        u32 chunks[2];
+    };
+    // Tile t's data in its slot (waited for), its scales and c.
+    auto load_top = [&](u32 t, Top& top) {
+        const u32 c0 = (first + t * step) * WG_ROWS;
+        if constexpr (TMA) {
+            mbar_wait(&sh_full[g][t % WG_STAGES], (t / WG_STAGES) & 1u);
+        } else {
+            cp_async_wait_stages();
+            fence_async_smem();
+            wg_barrier(g);
+        }
+        const float* sc = sc_ring + (t % WG_STAGES) * WG_ROWS;
+        const u32 chunks[2] = {c0 + ra, c0 + rb}, rows[2] = {ra, rb};
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) top.scales[h] = chunks[h] < n ? sc[rows[h]] : 1.f;
+        top.pos_all = __all_sync(KVS_FULL_MASK, positive_finite(top.scales[0]) && positive_finite(top.scales[1]));
+        top.normal = true;
+        scale_factors(top.scales, p2E, top.c, top.normal);
+    };
+    // A tile's sums, ensemble and filing from its head sums.
+    auto finish = [&](const Pending& p) {
+        float vs[2][FM_SCORERS];
+        if (__all_sync(KVS_FULL_MASK, p.normal)) {
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h)
+#pragma unroll
+                for (u32 sc = 0; sc < FM_SCORERS; ++sc) vs[h][sc] = (p.hs[sc][2 * h] + p.hs[sc][2 * h + 1]) * p.c[h][sc];
+        } else {
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h)
+#pragma unroll
+                for (u32 sc = 0; sc < FM_SCORERS; ++sc) vs[h][sc] = scaled_sum(p.hs[sc][2 * h] + p.hs[sc][2 * h + 1], p.scales[h], E[sc]);
+        }
+        float ens[2];
+        bool finite[2];
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            const float* v = vs[h];
+            bool ok = true;
+#pragma unroll
+            for (u32 sc = 0; sc < FM_SCORERS; ++sc) ok &= isfinite(v[sc]);
+            float x;
+            if (mean) {
+                float pair[(FM_SCORERS + 1) / 2];
+#pragma unroll
+                for (u32 q = 0; q < (FM_SCORERS + 1) / 2; ++q) pair[q] = 2 * q + 1 < FM_SCORERS ? v[2 * q] + v[2 * q + 1] : v[2 * q];
+                x = pair[0];
+#pragma unroll
+                for (u32 q = 1; q < (FM_SCORERS + 1) / 2; ++q) x += pair[q];
+                x *= 1.f / FM_SCORERS;
+            } else {
+                x = v[0];
+#pragma unroll
+                for (u32 sc = 1; sc < FM_SCORERS; ++sc) x = fmaxf(x, v[sc]);
+            }
+            ens[h] = x;
+            finite[h] = p.finite[h] && ok;
+        }
+        file_rows_per_lane(ens, finite, p.chunks, n, S, sh_hist, sh_spare, true, bad, bad_chunk);
+    };
+    Top cur;
+    Pending pend;
+    if (my_tiles > 0) load_top(0, cur);
+    for (u32 i = 0; i < my_tiles; ++i) {
+        const u32 c0 = (first + i * step) * WG_ROWS;
+        u8* slot = ring + (i % WG_STAGES) * WG_RAW_BYTES;
+        TR(3);
+        turn_wait(ORDER_BAR + g);
+        TR(5);
+        const u64 da0 = gmma_desc(smem_addr(slot));
+        wgmma_fence();
+#pragma unroll
+#ifdef FM_Q8_WGHS
+        for (u32 ks = 0; ks < FM_HEAD_DIM / 32; ++ks) {
+            if (ks == 0) wgmma8_n192_z(d, da0, db0, 0u);
+            else wgmma8_row(d, da0 + ks * 2u, db0 + ks * 2u, 1u);  // +32 bytes
+        }
+#else
+        for (u32 ks = 0; ks < FM_HEAD_DIM / 32; ++ks) wgmma8_row(d, da0 + ks * 2u, db0 + ks * 2u, ks > 0 ? 1u : 0u);  // +32 bytes
+#endif
+        wgmma_commit();
+        if (i < next_turns) turn_pass(ORDER_BAR + next);
+        TR(13);
+        issue(i + WG_STAGES - 1);  // the slot tile i - 1 used (see the other loop)
+        TR(6);
+        if (i > 0) finish(pend);  // tile i - 1, while tile i's MMAs run
+        TR(4);
+        wgmma_wait0();
+        TR(7);
+        if (!cur.pos_all) {  // warp-uniform and rare: split the rows' scales, then c again
+            wg8_split_rows(d, cur.scales);
+            cur.normal = true;
+            scale_factors(cur.scales, p2E, cur.c, cur.normal);
+        }
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) pend.finite[h] = isfinite(d[2 * h]);
+        Top nxt;
+#ifdef FM_Q8_WGHS
+        {
+            u32 a[FM_QROWS / 16][4];
+#pragma unroll
+            for (u32 k = 0; k < FM_QROWS / 16; ++k) relu_a_fragment(d, k, a[k]);
+            TR(9);
+            const u64 dw0 = gmma_desc_plain(smem_addr(sh_wt));
+            wgmma_fence();
+            float hs[FM_SCORERS][4];
+#pragma unroll
+            for (u32 k = 0; k < FM_QROWS / 16; ++k)
+                wgmma_hs_n8(hs[k / FM_Q8_KSTEPS], a[k], dw0 + k * (256u >> 4), k % FM_Q8_KSTEPS > 0 ? 1u : 0u);
+            wgmma_commit();
+            if (i + 1 < my_tiles) load_top(i + 1, nxt);  // while the head sums run
+            wgmma_wait0();
+            // Copied into registers no wgmma writes (xor with a zero ptxas
+            // cannot prove is one, so the copy is not folded away): read
+            // while the next tile's MMAs run, the head-sum MMAs' own
+            // registers would make ptxas wait for those MMAs first.
+            const u32 zero = B.mean >> 31;  // 0: mean is 0 or 1
+#pragma unroll
+            for (u32 sc = 0; sc < FM_SCORERS; ++sc)
+#pragma unroll
+                for (u32 j = 0; j < 4; ++j) pend.hs[sc][j] = __uint_as_float(__float_as_uint(hs[sc][j]) ^ zero);
+            TR(12);
+        }
+#else
+        {
+#pragma unroll
+            for (u32 sc = 0; sc < FM_SCORERS; ++sc) pend.hs[sc][0] = pend.hs[sc][1] = pend.hs[sc][2] = pend.hs[sc][3] = 0.f;
+#pragma unroll
+            for (u32 k = 0; k < FM_QROWS / 16; ++k) {
+                u32 a[4];
+                relu_a_fragment(d, k, a);
+                const uint2 b = sh_wb[k][lane];
+                mma_bf16(pend.hs[k / FM_Q8_KSTEPS], a, b.x, b.y);
+            }
+            if (i + 1 < my_tiles) load_top(i + 1, nxt);
+        }
+#endif
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            pend.scales[h] = cur.scales[h];
+#pragma unroll
+            for (u32 sc = 0; sc < FM_SCORERS; ++sc) pend.c[h][sc] = cur.c[h][sc];
+        }
+        pend.normal = cur.normal;
+        pend.chunks[0] = c0 + ra;
+        pend.chunks[1] = c0 + rb;
+        cur = nxt;
+        TR(8);
+    }
+    if (my_tiles > 0) finish(pend);
+#else
     for (u32 i = 0; i < my_tiles; ++i) {
         const u32 c0 = (first + i * step) * WG_ROWS;
         u8* slot = ring + (i % WG_STAGES) * WG_RAW_BYTES;
@@ -941,6 +1112,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
         }
         TR(8);
     }
+#endif
     CT_MAX(9);
     wg_scores_done(B, err, bad, bad_chunk);
     TR(10);
