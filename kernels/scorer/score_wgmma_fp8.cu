@@ -914,7 +914,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
         pend.normal = cur.normal;
         pend.chunks[0] = c0 + ra;
         pend.chunks[1] = c0 + rb;
-        cur = nxt;
+        if (i + 1 < my_tiles) cur = nxt;  // (nxt is set only then)
         TR(8);
     }
     if (my_tiles > 0) finish(pend);
