@@ -9,6 +9,7 @@ static SASS instruction count, or dumps one kernel's SASS.
   python3 .ci/fm-sass.py                      # table for the work tree
   python3 .ci/fm-sass.py --rev main -DFM_X=1  # a revision, extra NVRTC options
   python3 .ci/fm-sass.py --dump fm_score_wg_bf16 > /tmp/k.sass
+  python3 .ci/fm-sass.py --compare main       # per kernel: SASS identical to main's?
 
 NVRTC: libnvrtc.so.13 from .ci/.nvrtc (installed by .ci/run) or the loader
 path. The SASS needs cuobjdump and nvdisasm; without them on PATH they are
@@ -77,6 +78,8 @@ def main():
     ap.add_argument("--rev", help="git revision (default: the work tree)")
     ap.add_argument("--dump", metavar="KERNEL", help="print this kernel's SASS instead of the table")
     ap.add_argument("--shape", default="3,64,128", help="scorers,heads,head_dim (default 3,64,128)")
+    ap.add_argument("--compare", metavar="REV", help="per kernel, whether its SASS (addresses and encodings stripped) equals REV's "
+                    "with the same options: a change that should not change the code, checked")
     # Extra NVRTC options (e.g. -DFM_B1_BYTES=48) are the arguments argparse
     # does not know: they start with "-", which it would take for options.
     a, extra = ap.parse_known_args()
@@ -89,11 +92,37 @@ def main():
     cubin, log = compile_cubin(scorer_source(a.rev), opts)
     tools = sass_tools()
     env = dict(os.environ, PATH=tools + os.pathsep + os.environ.get("PATH", ""))
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        cmd = [os.path.join(tools, "cuobjdump"), "-sass"] + (["-fun", a.dump] if a.dump else []) + [f.name]
-        sass = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+
+    def disassemble(cubin):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(cubin)
+            f.flush()
+            cmd = [os.path.join(tools, "cuobjdump"), "-sass"] + (["-fun", a.dump] if a.dump else []) + [f.name]
+            return subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+
+    sass = disassemble(cubin)
+    if a.compare:
+        def per_kernel(text):
+            out, fn = {}, None
+            for line in text.splitlines():
+                m = re.match(r"\s+Function : (\S+)", line)
+                if m:
+                    fn = m.group(1)
+                    out[fn] = []
+                elif fn and re.match(r"\s+/\*[0-9a-f]{4,}\*/", line):
+                    out[fn].append(re.sub(r"/\*[^*]*\*/", "", line).strip())
+            return out
+        mine, theirs = per_kernel(sass), per_kernel(disassemble(compile_cubin(scorer_source(a.compare), opts)[0]))
+        for k in sorted(set(mine) | set(theirs)):
+            if k not in mine or k not in theirs:
+                verdict = "only in " + ("the work tree" if k in mine else a.compare)
+            elif mine[k] == theirs[k]:
+                verdict = "identical"
+            else:
+                diff = sum(1 for x, y in zip(mine[k], theirs[k]) if x != y) + abs(len(mine[k]) - len(theirs[k]))
+                verdict = f"differs ({len(mine[k])} vs {len(theirs[k])} instructions, {diff} lines differ)"
+            print(f"{k:28s} {verdict}")
+        return
     if a.dump:
         sys.stdout.write(sass)
         return
