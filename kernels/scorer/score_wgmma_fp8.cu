@@ -473,6 +473,72 @@ __device__ __forceinline__ void wgmma_hs_n8(float* c, const u32* a, u64 desc_b, 
 #endif
 #endif
 
+#ifdef FM_Q8_TC
+// Both rows' ensemble scores from the tensor-core head sums hs (per scorer:
+// row ra's hi and lo sums, then row rb's): each scorer's sum times c = scale
+// * 2^E where that is a normal float for the whole warp, else the two steps
+// of scaled_sum, chosen by one warp-uniform branch for all of them (a select
+// per sum compiled to a branch pair per sum: with them, H200, score fp8 at
+// 262,144 chunks: +0.6 us, NOTES s44); then max or mean (the mean adds the
+// scorers pairwise, (v0 + v1) + (v2 + v3)). finite[h] turns false where a
+// scorer's sum is not finite.
+__device__ __forceinline__ void tc_ensemble(const float (*hs)[4], const float (*c)[FM_SCORERS], const float* scales, bool normal, const int* E,
+                                            bool mean, float* ens, bool* finite) {
+    float vs[2][FM_SCORERS];
+    if (__all_sync(KVS_FULL_MASK, normal)) {
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h)
+#pragma unroll
+            for (u32 sc = 0; sc < FM_SCORERS; ++sc) vs[h][sc] = (hs[sc][2 * h] + hs[sc][2 * h + 1]) * c[h][sc];
+    } else {
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h)
+#pragma unroll
+            for (u32 sc = 0; sc < FM_SCORERS; ++sc) vs[h][sc] = scaled_sum(hs[sc][2 * h] + hs[sc][2 * h + 1], scales[h], E[sc]);
+    }
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+        const float* v = vs[h];
+        bool ok = true;
+#pragma unroll
+        for (u32 sc = 0; sc < FM_SCORERS; ++sc) ok &= isfinite(v[sc]);
+        float x;
+        if (mean) {
+            float pair[(FM_SCORERS + 1) / 2];
+#pragma unroll
+            for (u32 p = 0; p < (FM_SCORERS + 1) / 2; ++p) pair[p] = 2 * p + 1 < FM_SCORERS ? v[2 * p] + v[2 * p + 1] : v[2 * p];
+            x = pair[0];
+#pragma unroll
+            for (u32 p = 1; p < (FM_SCORERS + 1) / 2; ++p) x += pair[p];
+            x *= 1.f / FM_SCORERS;
+        } else {
+            x = v[0];
+#pragma unroll
+            for (u32 sc = 1; sc < FM_SCORERS; ++sc) x = fmaxf(x, v[sc]);
+        }
+        ens[h] = x;
+        finite[h] = finite[h] && ok;
+    }
+}
+#endif
+
+// The tile MMAs of one 64-key tile (its raw fp8 keys in `slot`) against Q
+// (descriptor db0) into d, committed as one group: 4 k-steps of 32 bytes.
+__device__ __forceinline__ void tile_mma(float* d, const u8* slot, u64 db0) {
+    const u64 da0 = gmma_desc(smem_addr(slot));
+    wgmma_fence();
+#pragma unroll
+#ifdef FM_Q8_WGHS
+    for (u32 ks = 0; ks < FM_HEAD_DIM / 32; ++ks) {
+        if (ks == 0) wgmma8_n192_z(d, da0, db0, 0u);
+        else wgmma8_row(d, da0 + ks * 2u, db0 + ks * 2u, 1u);  // +32 bytes
+    }
+#else
+    for (u32 ks = 0; ks < FM_HEAD_DIM / 32; ++ks) wgmma8_row(d, da0 + ks * 2u, db0 + ks * 2u, ks > 0 ? 1u : 0u);  // +32 bytes
+#endif
+    wgmma_commit();
+}
+
 // c[h][s] = scale[h] * 2^E_s (p2E[s]; 0 where 2^E_s is not a normal float)
 // for both rows of this thread; `normal` turns false where some c is not a
 // normal float.
@@ -808,43 +874,9 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
     };
     // A tile's sums, ensemble and filing from its head sums.
     auto finish = [&](const Pending& p) {
-        float vs[2][FM_SCORERS];
-        if (__all_sync(KVS_FULL_MASK, p.normal)) {
-#pragma unroll
-            for (u32 h = 0; h < 2; ++h)
-#pragma unroll
-                for (u32 sc = 0; sc < FM_SCORERS; ++sc) vs[h][sc] = (p.hs[sc][2 * h] + p.hs[sc][2 * h + 1]) * p.c[h][sc];
-        } else {
-#pragma unroll
-            for (u32 h = 0; h < 2; ++h)
-#pragma unroll
-                for (u32 sc = 0; sc < FM_SCORERS; ++sc) vs[h][sc] = scaled_sum(p.hs[sc][2 * h] + p.hs[sc][2 * h + 1], p.scales[h], E[sc]);
-        }
         float ens[2];
-        bool finite[2];
-#pragma unroll
-        for (u32 h = 0; h < 2; ++h) {
-            const float* v = vs[h];
-            bool ok = true;
-#pragma unroll
-            for (u32 sc = 0; sc < FM_SCORERS; ++sc) ok &= isfinite(v[sc]);
-            float x;
-            if (mean) {
-                float pair[(FM_SCORERS + 1) / 2];
-#pragma unroll
-                for (u32 q = 0; q < (FM_SCORERS + 1) / 2; ++q) pair[q] = 2 * q + 1 < FM_SCORERS ? v[2 * q] + v[2 * q + 1] : v[2 * q];
-                x = pair[0];
-#pragma unroll
-                for (u32 q = 1; q < (FM_SCORERS + 1) / 2; ++q) x += pair[q];
-                x *= 1.f / FM_SCORERS;
-            } else {
-                x = v[0];
-#pragma unroll
-                for (u32 sc = 1; sc < FM_SCORERS; ++sc) x = fmaxf(x, v[sc]);
-            }
-            ens[h] = x;
-            finite[h] = p.finite[h] && ok;
-        }
+        bool finite[2] = {p.finite[0], p.finite[1]};
+        tc_ensemble(p.hs, p.c, p.scales, p.normal, E, mean, ens, finite);
         file_rows_per_lane(ens, finite, p.chunks, n, S, sh_hist, sh_spare, true, bad, bad_chunk);
     };
     Top cur;
@@ -856,18 +888,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
         TR(3);
         turn_wait(ORDER_BAR + g);
         TR(5);
-        const u64 da0 = gmma_desc(smem_addr(slot));
-        wgmma_fence();
-#pragma unroll
-#ifdef FM_Q8_WGHS
-        for (u32 ks = 0; ks < FM_HEAD_DIM / 32; ++ks) {
-            if (ks == 0) wgmma8_n192_z(d, da0, db0, 0u);
-            else wgmma8_row(d, da0 + ks * 2u, db0 + ks * 2u, 1u);  // +32 bytes
-        }
-#else
-        for (u32 ks = 0; ks < FM_HEAD_DIM / 32; ++ks) wgmma8_row(d, da0 + ks * 2u, db0 + ks * 2u, ks > 0 ? 1u : 0u);  // +32 bytes
-#endif
-        wgmma_commit();
+        tile_mma(d, slot, db0);
         if (i < next_turns) turn_pass(ORDER_BAR + next);
         TR(13);
         issue(i + WG_STAGES - 1);  // the slot tile i - 1 used (see the other loop)
@@ -976,18 +997,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
         TR(4);
         turn_wait(ORDER_BAR + g);
         TR(5);
-        const u64 da0 = gmma_desc(smem_addr(slot));
-        wgmma_fence();
-#pragma unroll
-#ifdef FM_Q8_WGHS
-        for (u32 ks = 0; ks < FM_HEAD_DIM / 32; ++ks) {
-            if (ks == 0) wgmma8_n192_z(d, da0, db0, 0u);
-            else wgmma8_row(d, da0 + ks * 2u, db0 + ks * 2u, 1u);  // +32 bytes
-        }
-#else
-        for (u32 ks = 0; ks < FM_HEAD_DIM / 32; ++ks) wgmma8_row(d, da0 + ks * 2u, db0 + ks * 2u, ks > 0 ? 1u : 0u);  // +32 bytes
-#endif
-        wgmma_commit();
+        tile_mma(d, slot, db0);
         if (i < next_turns) turn_pass(ORDER_BAR + next);
         TR(13);
         // The refill of the slot tile i - 1 used (every warp is past this
@@ -1061,50 +1071,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
                 }
             }
 #endif
-            {
-                // Every row's sums from the head-sum MMAs: one multiply by
-                // c = scale * 2^E where that is a normal float for the whole
-                // warp, else the two steps of scaled_sum, chosen by one
-                // warp-uniform branch for all of them (a select per sum
-                // compiled to a branch pair per sum: with them, H200, score
-                // fp8 at 262,144 chunks: +0.6 us, NOTES s44). The mean adds
-                // the scorers pairwise ((v0 + v1) + (v2 + v3)).
-                float vs[2][FM_SCORERS];
-                if (__all_sync(KVS_FULL_MASK, normal)) {
-#pragma unroll
-                    for (u32 h = 0; h < 2; ++h)
-#pragma unroll
-                        for (u32 sc = 0; sc < FM_SCORERS; ++sc) vs[h][sc] = (hs[sc][2 * h] + hs[sc][2 * h + 1]) * c[h][sc];
-                } else {
-#pragma unroll
-                    for (u32 h = 0; h < 2; ++h)
-#pragma unroll
-                        for (u32 sc = 0; sc < FM_SCORERS; ++sc) vs[h][sc] = scaled_sum(hs[sc][2 * h] + hs[sc][2 * h + 1], scales[h], E[sc]);
-                }
-#pragma unroll
-                for (u32 h = 0; h < 2; ++h) {
-                    const float* v = vs[h];
-                    bool ok = true;
-#pragma unroll
-                    for (u32 sc = 0; sc < FM_SCORERS; ++sc) ok &= isfinite(v[sc]);
-                    float x;
-                    if (mean) {
-                        float pair[(FM_SCORERS + 1) / 2];
-#pragma unroll
-                        for (u32 p = 0; p < (FM_SCORERS + 1) / 2; ++p) pair[p] = 2 * p + 1 < FM_SCORERS ? v[2 * p] + v[2 * p + 1] : v[2 * p];
-                        x = pair[0];
-#pragma unroll
-                        for (u32 p = 1; p < (FM_SCORERS + 1) / 2; ++p) x += pair[p];
-                        x *= 1.f / FM_SCORERS;
-                    } else {
-                        x = v[0];
-#pragma unroll
-                        for (u32 sc = 1; sc < FM_SCORERS; ++sc) x = fmaxf(x, v[sc]);
-                    }
-                    ens[h] = x;
-                    finite[h] = finite[h] && ok;
-                }
-            }
+            tc_ensemble(hs, c, scales, normal, E, mean, ens, finite);
 #else
             if (__all_sync(KVS_FULL_MASK, normal))
                 head_sums<2>(
