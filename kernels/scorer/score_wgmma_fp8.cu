@@ -470,6 +470,15 @@ __device__ __forceinline__ void wgmma_hs_n8(float* c, const u32* a, u64 desc_b, 
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
+// The head sums' wgmmas of one tile, committed as one group: A the relu'd
+// fragments a (FM_QROWS / 16 k-steps), B the head weights at dw0, scorer s's
+// k-steps into hs[s]. The caller keeps a until the group's wait.
+__device__ __forceinline__ void head_sum_mma(const u32 (*a)[4], float (*hs)[4], u64 dw0) {
+    wgmma_fence();
+#pragma unroll
+    for (u32 k = 0; k < FM_QROWS / 16; ++k) wgmma_hs_n8(hs[k / FM_Q8_KSTEPS], a[k], dw0 + k * (256u >> 4), k % FM_Q8_KSTEPS > 0 ? 1u : 0u);
+    wgmma_commit();
+}
 #endif
 #endif
 
@@ -551,6 +560,15 @@ __device__ __forceinline__ void scale_factors(const float* scale, const float* p
             normal &= c[h][sc] >= 1.17549435e-38f && c[h][sc] <= 3.40282347e38f;
         }
     }
+}
+
+// The rows' scales split into the accumulators (wg8_split_rows), then their
+// c and `normal` made again: where some scale of the warp is not positive
+// and finite.
+__device__ __forceinline__ void resplit_rows(float* d, float* scale, const float* p2E, float (*c)[FM_SCORERS], bool& normal) {
+    wg8_split_rows(d, scale);
+    normal = true;
+    scale_factors(scale, p2E, c, normal);
 }
 
 // Two values (|v| <= 448) to e4m3, round to nearest even: lo in the low byte.
@@ -897,11 +915,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
         TR(4);
         wgmma_wait0();
         TR(7);
-        if (!cur.pos_all) {  // warp-uniform and rare: split the rows' scales, then c again
-            wg8_split_rows(d, cur.scales);
-            cur.normal = true;
-            scale_factors(cur.scales, p2E, cur.c, cur.normal);
-        }
+        if (!cur.pos_all) resplit_rows(d, cur.scales, p2E, cur.c, cur.normal);  // warp-uniform and rare
 #pragma unroll
         for (u32 h = 0; h < 2; ++h) pend.finite[h] = isfinite(d[2 * h]);
         Top nxt;
@@ -912,12 +926,8 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
             for (u32 k = 0; k < FM_QROWS / 16; ++k) relu_a_fragment(d, k, a[k]);
             TR(9);
             const u64 dw0 = gmma_desc_plain(smem_addr(sh_wt));
-            wgmma_fence();
             float hs[FM_SCORERS][4];
-#pragma unroll
-            for (u32 k = 0; k < FM_QROWS / 16; ++k)
-                wgmma_hs_n8(hs[k / FM_Q8_KSTEPS], a[k], dw0 + k * (256u >> 4), k % FM_Q8_KSTEPS > 0 ? 1u : 0u);
-            wgmma_commit();
+            head_sum_mma(a, hs, dw0);
             if (i + 1 < my_tiles) load_top(i + 1, nxt);  // while the head sums run
             wgmma_wait0();
             // Copied into registers no wgmma writes (xor with a zero ptxas
@@ -1022,11 +1032,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
         // (scaled_sum: neither scale * 2^E nor sum * scale is formed).
         // Other scales (zero, negative, non-finite) are split in place
         // first (wg8_split_rows), so that every row takes this path.
-        if (!pos_all) {  // warp-uniform and rare: split the rows' scales, then c again
-            wg8_split_rows(d, scales);
-            normal = true;
-            scale_factors(scales, p2E, c, normal);
-        }
+        if (!pos_all) resplit_rows(d, scales, p2E, c, normal);  // warp-uniform and rare
         {
             float ens[2];
             bool finite[2];
@@ -1047,11 +1053,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
                 for (u32 k = 0; k < FM_QROWS / 16; ++k) relu_a_fragment(d, k, a[k]);
                 TR(9);
                 const u64 dw0 = gmma_desc_plain(smem_addr(sh_wt));
-                wgmma_fence();
-#pragma unroll
-                for (u32 k = 0; k < FM_QROWS / 16; ++k)
-                    wgmma_hs_n8(hs[k / FM_Q8_KSTEPS], a[k], dw0 + k * (256u >> 4), k % FM_Q8_KSTEPS > 0 ? 1u : 0u);
-                wgmma_commit();
+                head_sum_mma(a, hs, dw0);
 #if defined(FM_REFILL_LATE)
                 if constexpr (TMA) issue(i + WG_STAGES - 1);
 #endif
