@@ -60,10 +60,10 @@ fn every_kernel_compiles() {
     // default build's tensor-core head sums at 1, 2 and 4 scorers (4, 2 and
     // 4 head-sum k-steps per scorer) and the wgmma ones at 4 x 48 (3 k-steps).
     // The experiments prepared for a GPU session (benches/NOTES.md s44): the
-    // selection by regions, the late TMA refill, the 16-bit kernels' filing,
-    // the fp8-query kernel's deferred epilogue (its mma.sync head sums at
-    // 64 query rows too) and its query quantized by bf16x2 multiplies.
-    let dev: [(&str, (u32, u32, u32)); 16] = [
+    // selection by regions, the late TMA refill, the fp8-query kernel's
+    // deferred epilogue (its mma.sync head sums at 64 query rows too) and its
+    // query quantized by bf16x2 multiplies.
+    let dev: [(&str, (u32, u32, u32)); 15] = [
         ("-DFM_TRACE -DFM_OTRACE", (3, 64, 128)),
         ("-DFM_CTRACE", (3, 64, 128)),
         ("-DFM_Q8_FMA_HEADSUM", (3, 64, 128)),
@@ -76,7 +76,6 @@ fn every_kernel_compiles() {
         ("", (8, 8, 128)),
         ("-DFM_SEL_REGIONS -DFM_CTRACE", (3, 64, 128)),
         ("-DFM_REFILL_LATE -DFM_TRACE", (3, 64, 128)),
-        ("-DFM_WG_FILE_ONE", (3, 64, 128)),
         ("-DFM_EPI_DEFER -DFM_TRACE", (3, 64, 128)),
         ("-DFM_EPI_DEFER", (1, 64, 128)),
         ("-DFM_Q8_QPACK", (3, 64, 128)),
