@@ -696,16 +696,6 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
         }
     }
     issue(0);
-#ifdef FM_Q8_TILE1_EARLY
-    // (Development switch.) The TMA path issues tile 1 here too, not once
-    // Q is quantized: its copy then runs beside the prologue instead of
-    // beside tile 0's chain. (One thread's bulk copies on mbarriers: no
-    // cp.async group counts change. The cp.async ring keeps its order.)
-    constexpr u32 EARLY_TILES = TMA ? WG_STAGES - 1 : 1u;
-    if constexpr (TMA) for (u32 i = 1; i < EARLY_TILES; ++i) issue(i);
-#else
-    constexpr u32 EARLY_TILES = 1;
-#endif
     wait_prerequisites();
     CT_MIN(0);  // past the wait: a call's stamps come after the last call's fm_order reset them
     CT_MAX(1);
@@ -842,7 +832,7 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
 #endif
         }
     }
-    for (u32 i = EARLY_TILES; i < WG_STAGES - 1; ++i) issue(i);
+    for (u32 i = 1; i < WG_STAGES - 1; ++i) issue(i);
     fence_async_smem();  // Q and the head weights (generic stores) -> tensor-core reads
     __syncthreads();
     // E per scorer, and 2^E as a float where that is a normal number (else 0,
