@@ -748,25 +748,6 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
         const int s = e < -126 ? 64 : 0;
         const float up = __int_as_float((127 + s) << 23), down = __int_as_float((127 - e - s) << 23);
         u32 packed[4];
-#ifdef FM_Q8_QPACK
-        // (Development switch.) Where every row of the warp has e >= -126,
-        // 2^-e is a normal bf16 and q * 2^-e is exact as a bf16 product
-        // (q has bf16's 8 significant bits; a product below 2^-126, which
-        // bf16 may not hold exactly, is far below e4m3's smallest value and
-        // rounds to zero either way): one bf16x2 multiply per pair instead
-        // of four f32 multiplies, the same e4m3 bits.
-        if (__all_sync(KVS_FULL_MASK, e >= -126)) {
-            const u32 s1 = (u32)(127 - e) << 7, s2 = s1 | (s1 << 16);
-#pragma unroll
-            for (u32 k = 0; k < 4; ++k) {
-                u32 y0, y1;
-                asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(y0) : "r"(x[2 * k]), "r"(s2));
-                asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(y1) : "r"(x[2 * k + 1]), "r"(s2));
-                packed[k] = f32x2_to_e4m3x2(__uint_as_float(y0 << 16), __uint_as_float(y0 & 0xffff0000u)) |
-                            (f32x2_to_e4m3x2(__uint_as_float(y1 << 16), __uint_as_float(y1 & 0xffff0000u)) << 16);
-            }
-        } else
-#endif
 #pragma unroll
         for (u32 k = 0; k < 4; ++k) {  // dims 4k .. 4k + 3 of the lane's 16; exact unless far below e4m3's range
             const float v0 = __uint_as_float(x[2 * k] << 16) * up * down, v1 = __uint_as_float(x[2 * k] & 0xffff0000u) * up * down;
@@ -851,124 +832,6 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
     if (g == G - 1 && T.first_turns > 0) turn_pass(ORDER_BAR);  // warpgroup 0 goes first
     TR(2);
     CT_MAX(2);
-#if defined(FM_EPI_DEFER) && defined(FM_Q8_TC) && FM_QROWS <= 192 && !(defined(FM_TMA_GROUPS) && FM_TMA_GROUPS > 3)
-    // (Development switch; at 256 query rows, or 4 warpgroups' 128-register
-    // cap, the carried state spills.) The per-tile chain without its two waits that
-    // need no MMA: tile i's sums, ensemble and filing ("rest") run after
-    // tile i + 1's MMAs are issued, while they run, and tile i + 1's data
-    // wait and scale reads ("top") run while tile i's head sums do. Each
-    // warpgroup then reaches its next turn sooner. Carried from one
-    // iteration to the next: tile i's head sums (12 floats at 3 scorers),
-    // its c, scales and flags, and tile i + 1's top.
-    struct Top {
-        float scales[2];
-        float c[2][FM_SCORERS];
-        bool pos_all, normal;
-    };
-    struct Pending {
-        float hs[FM_SCORERS][4];
-        float c[2][FM_SCORERS];
-        float scales[2];
-        bool normal, finite[2];
-        u32 chunks[2];
-    };
-    // Tile t's data in its slot (waited for), its scales and c.
-    auto load_top = [&](u32 t, Top& top) {
-        const u32 c0 = (first + t * step) * WG_ROWS;
-        if constexpr (TMA) {
-            mbar_wait(&sh_full[g][t % WG_STAGES], (t / WG_STAGES) & 1u);
-        } else {
-            cp_async_wait_stages();
-            fence_async_smem();
-            wg_barrier(g);
-        }
-        const float* sc = sc_ring + (t % WG_STAGES) * WG_ROWS;
-        const u32 chunks[2] = {c0 + ra, c0 + rb}, rows[2] = {ra, rb};
-#pragma unroll
-        for (u32 h = 0; h < 2; ++h) top.scales[h] = chunks[h] < n ? sc[rows[h]] : 1.f;
-        top.pos_all = __all_sync(KVS_FULL_MASK, positive_finite(top.scales[0]) && positive_finite(top.scales[1]));
-        top.normal = true;
-        scale_factors(top.scales, p2E, top.c, top.normal);
-    };
-    // A tile's sums, ensemble and filing from its head sums.
-    auto finish = [&](const Pending& p) {
-        float ens[2];
-        bool finite[2] = {p.finite[0], p.finite[1]};
-        tc_ensemble(p.hs, p.c, p.scales, p.normal, E, mean, ens, finite);
-        file_rows_per_lane(ens, finite, p.chunks, n, S, sh_hist, sh_spare, true, bad, bad_chunk);
-    };
-    Top cur;
-    Pending pend;
-    if (my_tiles > 0) load_top(0, cur);
-    for (u32 i = 0; i < my_tiles; ++i) {
-        const u32 c0 = (first + i * step) * WG_ROWS;
-        u8* slot = ring + (i % WG_STAGES) * WG_RAW_BYTES;
-        TR(3);
-        turn_wait(ORDER_BAR + g);
-        TR(5);
-        tile_mma(d, slot, db0);
-        if (i < next_turns) turn_pass(ORDER_BAR + next);
-        TR(13);
-        issue(i + WG_STAGES - 1);  // the slot tile i - 1 used (see the other loop)
-        TR(6);
-        if (i > 0) finish(pend);  // tile i - 1, while tile i's MMAs run
-        TR(4);
-        wgmma_wait0();
-        TR(7);
-        if (!cur.pos_all) resplit_rows(d, cur.scales, p2E, cur.c, cur.normal);  // warp-uniform and rare
-#pragma unroll
-        for (u32 h = 0; h < 2; ++h) pend.finite[h] = isfinite(d[2 * h]);
-        Top nxt;
-#ifdef FM_Q8_WGHS
-        {
-            u32 a[FM_QROWS / 16][4];
-#pragma unroll
-            for (u32 k = 0; k < FM_QROWS / 16; ++k) relu_a_fragment(d, k, a[k]);
-            TR(9);
-            const u64 dw0 = gmma_desc_plain(smem_addr(sh_wt));
-            float hs[FM_SCORERS][4];
-            head_sum_mma(a, hs, dw0);
-            if (i + 1 < my_tiles) load_top(i + 1, nxt);  // while the head sums run
-            wgmma_wait0();
-            // Copied into registers no wgmma writes (xor with a zero ptxas
-            // cannot prove is one, so the copy is not folded away): read
-            // while the next tile's MMAs run, the head-sum MMAs' own
-            // registers would make ptxas wait for those MMAs first.
-            const u32 zero = B.mean >> 31;  // 0: mean is 0 or 1
-#pragma unroll
-            for (u32 sc = 0; sc < FM_SCORERS; ++sc)
-#pragma unroll
-                for (u32 j = 0; j < 4; ++j) pend.hs[sc][j] = __uint_as_float(__float_as_uint(hs[sc][j]) ^ zero);
-            TR(12);
-        }
-#else
-        {
-#pragma unroll
-            for (u32 sc = 0; sc < FM_SCORERS; ++sc) pend.hs[sc][0] = pend.hs[sc][1] = pend.hs[sc][2] = pend.hs[sc][3] = 0.f;
-#pragma unroll
-            for (u32 k = 0; k < FM_QROWS / 16; ++k) {
-                u32 a[4];
-                relu_a_fragment(d, k, a);
-                const uint2 b = sh_wb[k][lane];
-                mma_bf16(pend.hs[k / FM_Q8_KSTEPS], a, b.x, b.y);
-            }
-            if (i + 1 < my_tiles) load_top(i + 1, nxt);
-        }
-#endif
-#pragma unroll
-        for (u32 h = 0; h < 2; ++h) {
-            pend.scales[h] = cur.scales[h];
-#pragma unroll
-            for (u32 sc = 0; sc < FM_SCORERS; ++sc) pend.c[h][sc] = cur.c[h][sc];
-        }
-        pend.normal = cur.normal;
-        pend.chunks[0] = c0 + ra;
-        pend.chunks[1] = c0 + rb;
-        if (i + 1 < my_tiles) cur = nxt;  // (nxt is set only then)
-        TR(8);
-    }
-    if (my_tiles > 0) finish(pend);
-#else
     for (u32 i = 0; i < my_tiles; ++i) {
         const u32 c0 = (first + i * step) * WG_ROWS;
         u8* slot = ring + (i % WG_STAGES) * WG_RAW_BYTES;
@@ -1100,7 +963,6 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
         }
         TR(8);
     }
-#endif
     CT_MAX(9);
     wg_scores_done(B, err, bad, bad_chunk);
     TR(10);

@@ -32,10 +32,6 @@
 //             the list length of each block and of each group, and the
 //             arrival counts of each group and of the groups (the counts
 //             are zero between calls).
-//   region    -DFM_SEL_REGIONS (development): fm_select block b's counts,
-//             sure | tie << 16, of the candidates it filed into its own
-//             region of the tie list (below); written by every block of
-//             every call that files by regions.
 #define FM_ORDER_BLOCKS 64  // fm_order's blocks per sequence (FM_ORDER_MAX / FM_ORDER_CANDS)
 #define FM_MERGE_GROUPS 8
 struct SelectState {
@@ -46,9 +42,8 @@ struct SelectState {
     u32 garrived[FM_MERGE_GROUPS];
     u32 arrived;
     u32 pad[11];
-    u32 region[512];  // FM_ORDER_THREADS
 };
-static_assert(sizeof(SelectState) == 2432, "SELECT_STATE_BYTES on the host");
+static_assert(sizeof(SelectState) == 384, "SELECT_STATE_BYTES on the host");
 #define FM_ST_TIE_SHIFT 20
 __device__ __forceinline__ u32 st_sure(u64 c) { return (u32)(c & ((1u << FM_ST_TIE_SHIFT) - 1u)); }
 __device__ __forceinline__ u32 st_tie(u64 c) { return (u32)(c >> FM_ST_TIE_SHIFT); }
@@ -300,13 +295,6 @@ __device__ __forceinline__ void narrow_topk(At keys, u32 m, u32 want, int shift,
     OT(4);
 }
 
-#ifdef FM_SEL_REGIONS
-#define FM_SEL_PER_BLOCK (FM_SEL_THREADS * FM_SEL_ITEMS)
-// Whether fm_select files by regions: fm_order gathers them with a thread
-// per fm_select block, and ranks at most FM_ORDER_MAX candidates that way.
-__device__ __forceinline__ bool sel_regions(u32 sel_blocks, u32 candidates);
-#endif
-
 // Grid: (ceil(n / (FM_SEL_THREADS * FM_SEL_ITEMS)), sequences), FM_SEL_THREADS
 // threads. `err` is read by fm_order (the two take the same parameters).
 extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBatch B, const u32* err) {
@@ -348,28 +336,6 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
     }
     u32 total;
     const u32 at = block_exclusive_sum(packed, &total);
-#ifdef FM_SEL_REGIONS
-    // Where fm_order can gather them (few enough blocks and candidates,
-    // the same test there), each block files into its own region of the
-    // tie list, tie[lo .. lo + its chunks): sure keys, then ties, and
-    // publishes its two counts, with no atomic on a shared cursor (128
-    // blocks' atomics on one address and their round trip: ~1 us of the
-    // call's selection, NOTES s36).
-    const u32 nsel = (n + FM_SEL_PER_BLOCK - 1) / FM_SEL_PER_BLOCK;  // this sequence's blocks (a batch's grid is its longest's)
-    if (sel_regions(nsel, n_sure + n_tie)) {
-        if (blockIdx.x >= nsel) return;  // past this sequence: nothing, and no region
-        CT_MAX(12);
-        if (threadIdx.x == 0) S.st->region[blockIdx.x] = total;
-        u32 at_sure = at & 0xffffu, at_tie = (total & 0xffffu) + (at >> 16);
-#pragma unroll
-        for (u32 j = 0; j < FM_SEL_ITEMS; ++j) {
-            const u32 c = lo + j * FM_SEL_THREADS + threadIdx.x;
-            if (cls[j] == 2u) S.tie[lo + at_sure++] = key64(skeys[j], c);
-            else if (cls[j] == 1u) S.tie[lo + at_tie++] = key64(skeys[j], c);
-        }
-        return;
-    }
-#endif
     if (total == 0) return;  // uniform: nothing to file
     if (threadIdx.x == 0) {
         const u64 old = atomicAdd(&S.st->appended, (u64)(total & 0xffffu) | ((u64)(total >> 16) << FM_ST_TIE_SHIFT));
@@ -398,21 +364,6 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
 #define FM_ORDER_THREADS (FM_ORDER_CANDS * FM_ORDER_SLICES)
 static_assert(FM_ORDER_MAX % FM_ORDER_CANDS == 0 && FM_ORDER_MAX >= FM_RANK_MAX, "whole blocks of candidates");
 static_assert(FM_ORDER_MAX / FM_ORDER_CANDS == FM_ORDER_BLOCKS, "SelectState holds a list length per block");
-#ifdef FM_SEL_REGIONS
-static_assert(FM_ORDER_THREADS == 512, "SelectState::region holds a count per fm_order thread");
-__device__ __forceinline__ bool sel_regions(u32 sel_blocks, u32 candidates) {
-    return sel_blocks <= FM_ORDER_THREADS && candidates <= FM_ORDER_MAX;
-}
-// The largest r < nr with pre[r] <= i (pre non-decreasing, pre[0] = 0 <= i):
-// the region holding concatenated position i (regions with nothing have
-// the same prefix as the next one, so the last of equals is the holder).
-__device__ __forceinline__ u32 region_of(const u32* pre, u32 nr, u32 i) {
-    u32 r = 0;
-    for (u32 step = FM_ORDER_THREADS / 2; step > 0; step >>= 1)
-        if (r + step < nr && pre[r + step] <= i) r += step;
-    return r;
-}
-#endif
 
 // The top `want` of the keys at(0 .. m) appended to fin (shared memory, at
 // *nfin): all of them when m <= want, else by narrow_topk (ties: equal in
@@ -588,11 +539,6 @@ extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBa
 #endif
     const SelectSeq& S = B.seq[blockIdx.y];
     const u32 want = min(B.k, S.n);
-#ifdef FM_SEL_REGIONS
-    // fm_select's blocks and their region counts, read beside `filed`.
-    const u32 nsel = (S.n + FM_SEL_PER_BLOCK - 1) / FM_SEL_PER_BLOCK;
-    const u32 rc = nsel <= FM_ORDER_THREADS && threadIdx.x < nsel ? __ldcg(&S.st->region[threadIdx.x]) : 0u;
-#endif
     const u64 filed = __ldcg(&S.st->filed);
     if (blockIdx.x == 0) {
         // fm_select is done with the histogram and the append counters, and
@@ -612,33 +558,6 @@ extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBa
     // The groups this block's candidates belong to: keys [lo, hi).
     const u32 c1 = min(c0 + FM_ORDER_CANDS, m);
     const u32 lo = c0 < ns ? 0u : ns, hi = c1 > ns ? m : ns;
-#ifdef FM_SEL_REGIONS
-    if (sel_regions(nsel, m)) {
-        // The candidates as one list (every region's sure keys, then every
-        // region's ties, regions in order): prefixes of both counts, then
-        // each position's region by a binary search.
-        __shared__ u32 pre_s[FM_ORDER_THREADS], pre_t[FM_ORDER_THREADS], own_s[FM_ORDER_THREADS];
-        u32 total;
-        const u32 at = block_exclusive_sum(rc, &total);
-        if (threadIdx.x < nsel) {
-            pre_s[threadIdx.x] = at & 0xffffu;
-            pre_t[threadIdx.x] = at >> 16;
-            own_s[threadIdx.x] = rc & 0xffffu;
-        }
-        __syncthreads();
-        for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-            u32 r, at_r;
-            if (i < ns) {
-                r = region_of(pre_s, nsel, i);
-                at_r = i - pre_s[r];
-            } else {
-                r = region_of(pre_t, nsel, i - ns);
-                at_r = own_s[r] + (i - ns - pre_t[r]);
-            }
-            keys[i - lo] = __ldcg(S.tie + r * FM_SEL_PER_BLOCK + at_r);
-        }
-    } else
-#endif
     for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x)
         keys[i - lo] = i < ns ? __ldcg(S.sure + i) : __ldcg(S.tie + (i - ns));
     __syncthreads();

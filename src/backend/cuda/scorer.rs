@@ -151,9 +151,9 @@ struct SelectSeq {
 /// (FM_ST_TIE_SHIFT), which sits at byte 8 of the state.
 const ST_TIE_SHIFT: u32 = 20;
 /// Bytes of a sequence's selection state (SelectState in topk.cu): append
-/// cursors, the published counts, fm_order's merge-tree lengths and
-/// arrival counts, and fm_select's region counts (`-DFM_SEL_REGIONS`).
-const SELECT_STATE_BYTES: usize = 2432;
+/// cursors, the published counts, and fm_order's merge-tree lengths and
+/// arrival counts.
+const SELECT_STATE_BYTES: usize = 384;
 
 #[repr(C)]
 struct SelectBatch {
