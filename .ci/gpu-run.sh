@@ -230,8 +230,11 @@ if [[ $what == sanitize || $what == all ]]; then
   # Under the sanitizer a kernel launched on one stream invalidates another
   # stream's global-mode capture, relaxed mode or not (.ci/capture-probe.py
   # shows it with plain driver calls): the global-capture test is skipped.
+  # The scorer's suite too (its global-capture test skipped the same way):
+  # H200, session 45, 16 tests each, memcheck ~75 s, racecheck ~165 s.
   for tool in memcheck racecheck; do
     step "sanitizer-$tool" timeout ${SAN_TIMEOUT:-300} env KVSWAP_TEST_SCALE=${SAN_SCALE:-0.01} "$CS" --tool $tool --error-exitcode 1 $T/gpu --ignored --test-threads=1 "${SKIP[@]}" --skip global_capture
+    step "sanitizer-scorer-$tool" timeout ${SAN_TIMEOUT:-300} env KVSWAP_TEST_SCALE=${SAN_SCALE:-0.01} "$CS" --tool $tool --error-exitcode 1 $T/scorer_gpu --ignored --test-threads=1 --skip global_capture
   done
 fi
 if [[ $what == fm || $what == all ]]; then
