@@ -579,17 +579,15 @@ __device__ __forceinline__ void score_wg(const ScoreBatch& B, u32* err) {
             // of the quad files row r, lane 1 row r + 8, with one predicated
             // store and one shared atomic, no branch (H200, 262,144 chunks,
             // score bf16 34.2-34.5 -> 33.4-33.9 us, NOTES s45).
-            {
-                const u32 chunks[2] = {c0 + row0, c0 + row0 + 8};
+            const u32 chunks[2] = {c0 + row0, c0 + row0 + 8};
 #pragma unroll
-                for (u32 half = 0; half < 2; ++half) {
-                    if ((!finite[half] || !isfinite(ens[half])) && chunks[half] < n) {
-                        bad = true;
-                        bad_chunk = chunks[half];
-                    }
+            for (u32 half = 0; half < 2; ++half) {
+                if ((!finite[half] || !isfinite(ens[half])) && chunks[half] < n) {
+                    bad = true;
+                    bad_chunk = chunks[half];
                 }
-                file_rows_per_lane(ens, finite, chunks, n, S, sh_hist, sh_spare, false, bad, bad_chunk);
             }
+            file_rows_per_lane(ens, finite, chunks, n, S, sh_hist, sh_spare, false, bad, bad_chunk);
         } else {
 #pragma unroll
             for (u32 half = 0; half < 2; ++half) {
