@@ -875,12 +875,6 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
         TR(13);
         // The refill of the slot tile i - 1 used (every warp is past this
         // tile's barrier, so done with it) while this tile's MMAs run.
-#if defined(FM_REFILL_LATE) && defined(FM_Q8_WGHS)
-        // (Development switch: the TMA refill waits for the head sums'
-        // issue below, so warp 0 is not behind the others at the head sums'
-        // collective wgmma.)
-        if constexpr (!TMA)
-#endif
         issue(i + WG_STAGES - 1);
         TR(6);
         wgmma_wait0();
@@ -917,9 +911,6 @@ __device__ __forceinline__ void score_wg_fp8q(const ScoreBatch& B, u32* err, con
                 TR(9);
                 const u64 dw0 = gmma_desc_plain(smem_addr(sh_wt));
                 head_sum_mma(a, hs, dw0);
-#if defined(FM_REFILL_LATE)
-                if constexpr (TMA) issue(i + WG_STAGES - 1);
-#endif
                 wgmma_wait0();
                 TR(12);
             }

@@ -33,6 +33,7 @@
 //             arrival counts of each group and of the groups (the counts
 //             are zero between calls).
 #define FM_ORDER_BLOCKS 64  // fm_order's blocks per sequence (FM_ORDER_MAX / FM_ORDER_CANDS)
+#define FM_ORDER_MAX 4096   // the most candidates fm_order ranks without narrowing them first
 #define FM_MERGE_GROUPS 8
 struct SelectState {
     u64 appended;
@@ -358,7 +359,6 @@ extern "C" __global__ void __launch_bounds__(FM_SEL_THREADS) fm_select(SelectBat
 // (sure keys first, then ties): FM_ORDER_SLICES threads per candidate count
 // the keys of its group above it, one slice of the group each. Keys are
 // unique, so the ranks are distinct.
-#define FM_ORDER_MAX 4096
 #define FM_ORDER_CANDS 64
 #define FM_ORDER_SLICES 8
 #define FM_ORDER_THREADS (FM_ORDER_CANDS * FM_ORDER_SLICES)
@@ -511,6 +511,28 @@ __device__ void order_narrowed(const SelectSeq& S, u32 ns, u32 nt, u32 want, u64
 #endif
 }
 
+// keys[i - lo] = *at(i) for i in [lo, hi) (hi - lo <= FM_ORDER_MAX), the
+// whole block: every load of a thread in flight before the first is
+// stored (a loop of load-then-store made a thread with two keys wait for
+// two L2 trips in turn: H200, score fp8 at 262,144 chunks, fm_order 2.6 ->
+// 2.3 us in the call's trace, NOTES s46).
+template <typename At>
+__device__ __forceinline__ void load_group(u32 lo, u32 hi, u64* keys, At at) {
+    constexpr u32 PER = FM_ORDER_MAX / FM_ORDER_THREADS;
+    static_assert(FM_ORDER_MAX % FM_ORDER_THREADS == 0, "whole passes");
+    u64 v[PER];
+#pragma unroll
+    for (u32 j = 0; j < PER; ++j) {
+        const u32 i = lo + threadIdx.x + j * FM_ORDER_THREADS;
+        if (i < hi) v[j] = __ldcg(at(i));
+    }
+#pragma unroll
+    for (u32 j = 0; j < PER; ++j) {
+        const u32 i = lo + threadIdx.x + j * FM_ORDER_THREADS;
+        if (i < hi) keys[i - lo] = v[j];
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBatch B, const u32* err) {
     __shared__ u64 keys[FM_ORDER_MAX];
     __shared__ u32 part[FM_ORDER_SLICES][FM_ORDER_CANDS];
@@ -558,8 +580,7 @@ extern "C" __global__ void __launch_bounds__(FM_ORDER_THREADS) fm_order(SelectBa
     // The groups this block's candidates belong to: keys [lo, hi).
     const u32 c1 = min(c0 + FM_ORDER_CANDS, m);
     const u32 lo = c0 < ns ? 0u : ns, hi = c1 > ns ? m : ns;
-    for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x)
-        keys[i - lo] = i < ns ? __ldcg(S.sure + i) : __ldcg(S.tie + (i - ns));
+    load_group(lo, hi, keys, [&](u32 i) { return i < ns ? S.sure + i : S.tie + (i - ns); });
     __syncthreads();
     CT_MAX(14);
     const u32 slot = threadIdx.x % FM_ORDER_CANDS, slice = threadIdx.x / FM_ORDER_CANDS;
